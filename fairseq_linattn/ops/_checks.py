@@ -1,0 +1,74 @@
+"""Argument validation shared by the ops: every error names the argument and what was expected."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, same_length: bool = True) -> None:
+    """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv): 4-D, same batch/heads, same dtype and device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of shape (B, H, N, D), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H, N, D), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"q, k, v must share (B, H) and k, v the key length: got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim D, got {q.shape[-1]} and {k.shape[-1]}")
+    if same_length and q.shape[2] != k.shape[2]:
+        raise ValueError(f"self-attention needs q and k of the same length N, got {q.shape[2]} and {k.shape[2]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_key_padding_mask(mask: Optional[Tensor], k: Tensor) -> Optional[Tensor]:
+    """Validate a (B, S) bool mask (True = padding) against k (B,H,S,D); returns it as bool or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.shape != (k.shape[0], k.shape[2]):
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"key_padding_mask must have shape (B, S) = {(k.shape[0], k.shape[2])}, got {shape}")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point():
+            raise ValueError(f"key_padding_mask must be bool or integer (True/1 = padding), got dtype {mask.dtype}")
+        mask = mask.bool()
+    if mask.device != k.device:
+        raise ValueError(f"key_padding_mask must be on {k.device}, got {mask.device}")
+    return mask
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
+    """A float or a tensor broadcastable to (B, H, 1, 1), all > 0; returned as a float32 tensor on q's device."""
+    t = torch.as_tensor(value, dtype=torch.float32 if q.dtype != torch.float64 else torch.float64, device=q.device)
+    if t.dim() > 4:
+        raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    try:
+        torch.broadcast_shapes(t4.shape, (q.shape[0], q.shape[1], 1, 1))
+    except RuntimeError:
+        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1) = {(q.shape[0], q.shape[1], 1, 1)}, "
+                         f"got shape {tuple(t.shape)}") from None
+    if t4.shape[-1] != 1 or t4.shape[-2] != 1:
+        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
+    if not bool(torch.all(t4 > 0)) or not bool(torch.all(torch.isfinite(t4))):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return t4
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """Half inputs compute in float32; float32/float64 compute in their own precision."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype

@@ -1,0 +1,64 @@
+"""Softmax attention restricted to diagonal blocks (LLN §4.2, Fig. 3: the "Diag" of LLN+Diag)."""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+
+
+def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
+    """(B,H,N,D) -> (B,H,nb,bs,D), zero-padded at the end."""
+    b, h, n, d = x.shape
+    nb = -(-n // block_size)
+    x = torch.nn.functional.pad(x, (0, 0, 0, nb * block_size - n))
+    return x.view(b, h, nb, block_size, d)
+
+
+def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64, causal: bool = False,
+                            key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Tokens [m*bs, (m+1)*bs) attend to keys of their own block only; a shorter last block.
+
+    q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). Padded keys are masked inside blocks; causal adds
+    a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time/memory.
+    """
+    check_qkv(q, k, v)
+    block_size = check_positive_int("block_size", block_size)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    b, h, n, d = q.shape
+    bs = min(block_size, n)
+    ct = compute_dtype(q)
+    qb, kb, vb = (_pad_to_blocks(t.to(ct), bs) for t in (q, k, v))
+    nb = qb.shape[2]
+    valid = torch.arange(nb * bs, device=q.device) < n  # the zero-padding of the last block
+    valid = valid.view(1, nb, bs).expand(b, nb, bs)
+    if key_padding_mask is not None:
+        kpm = torch.nn.functional.pad(key_padding_mask, (0, nb * bs - n), value=True).view(b, nb, bs)
+        valid = valid & ~kpm
+    allowed = valid[:, None, :, None, :]  # (B,1,nb,1,bs) over keys
+    if causal:
+        allowed = allowed & torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril()
+    scores = qb @ kb.transpose(-1, -2) / math.sqrt(d)  # (B,H,nb,bs,bs)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    has_key = allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~has_key, 0.0)  # keep softmax finite on empty rows; zeroed below
+    out = (torch.softmax(scores, -1) @ vb).masked_fill(~has_key, 0.0)
+    return out.reshape(b, h, nb * bs, -1)[:, :, :n].to(q.dtype)
+
+
+def block_softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64,
+                                      causal: bool = False, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """N×N softmax with the mask "same block (and j <= i if causal) and key not padded"."""
+    check_qkv(q, k, v)
+    block_size = check_positive_int("block_size", block_size)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    n = q.shape[2]
+    blk = torch.arange(n, device=q.device) // block_size
+    allowed = (blk[:, None] == blk[None, :])[None, None]
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v

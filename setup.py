@@ -1,0 +1,47 @@
+"""fairseq_linattn: linear-complexity self-attention for fairseq (LLN, LLN+Diag, Skyformer, LAVO).
+
+fairseq itself comes from the PyPI package ``fairseq-fixed==0.12.3.1`` (upstream fairseq packaged
+for Python 3.11). It is *not* listed in ``install_requires``: its metadata asks for torchaudio,
+which would pull a multi-GB CUDA torch. ``scripts/setup_env.sh`` installs it with ``--no-deps
+--no-build-isolation`` and the list below carries fairseq's real runtime needs.
+"""
+from setuptools import find_packages, setup
+
+FAIRSEQ_REQUIREMENT = "fairseq-fixed==0.12.3.1"  # installed by scripts/setup_env.sh
+
+FAIRSEQ_RUNTIME_DEPS = [
+    "hydra-core==1.3.2",
+    "omegaconf==2.3.0",
+    "bitarray",
+    "sacrebleu",
+    "regex",
+    "scikit-learn",
+    "scipy",
+    "cffi",
+    "tqdm",
+    "packaging",
+    "cython",
+]
+
+setup(
+    name="fairseq_linattn",
+    version="0.1.0",
+    description="Linear-complexity attention (LLN, LLN+Diag, Skyformer, LAVO) as a fairseq plugin",
+    packages=find_packages(include=["fairseq_linattn", "fairseq_linattn.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.0",  # satisfied by an installed torch (CPU 2.13.0 here, or the user's CUDA build)
+        "numpy",
+        *FAIRSEQ_RUNTIME_DEPS,
+        "sentencepiece",
+        "datasets",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={
+        "console_scripts": [
+            "linattn-fit-moments=fairseq_linattn.ops.moment_matching:main",
+        ]
+    },
+)

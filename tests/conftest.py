@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def padding_mask(batch: int, n: int, side: str, generator=None) -> torch.Tensor:
+    """(B, N) bool, True = padding; row 0 unpadded, the others padded on `side` by random amounts < N."""
+    mask = torch.zeros(batch, n, dtype=torch.bool)
+    for b in range(1, batch):
+        p = int(torch.randint(1, max(n, 2), (1,), generator=generator)) if n > 1 else 0
+        if side == "left":
+            mask[b, :p] = True
+        else:
+            mask[b, n - p:] = True
+    return mask
+
+
+@pytest.fixture
+def gen():
+    """A generator with a fresh seed each run (printed, so a failure can be replayed)."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.seed())))
+    print(f"random seed: {seed}")
+    return torch.Generator().manual_seed(seed)

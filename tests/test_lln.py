@@ -1,0 +1,154 @@
+"""LLN attention: chunked/linear fast path vs the materialised paper formula (LLN eq. 8-9)."""
+import pytest
+import torch
+
+from fairseq_linattn import ops
+from fairseq_linattn.ops.lln import lln_decode_init, lln_decode_step
+from conftest import padding_mask, rel_err
+from util_memory import LargestTensor
+
+LENGTHS = [1, 7, 63, 65, 257]
+
+
+def qkv(gen, b=2, h=3, n=33, d=16, dv=None, dtype=torch.float64, scale=1.0):
+    dv = dv or d
+    q = torch.randn(b, h, n, d, generator=gen, dtype=dtype) * scale
+    k = torch.randn(b, h, n, d, generator=gen, dtype=dtype) * scale
+    v = torch.randn(b, h, n, dv, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_lln_matches_reference_float64_with_padding(gen, causal, n, side):
+    q, k, v = qkv(gen, n=n, dv=12)
+    mask = padding_mask(2, n, side, gen)
+    alpha = torch.rand(1, 3, 1, 1, generator=gen, dtype=torch.float64) + 0.5  # per-head scales
+    out = ops.lln_attention(q, k, v, alpha, 0.8, causal=causal, key_padding_mask=mask, chunk_size=16)
+    ref = ops.lln_attention_reference(q, k, v, alpha, 0.8, causal=causal, key_padding_mask=mask)
+    assert out.shape == (2, 3, n, 12)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 64, 1000])
+def test_lln_fp32_matches_float64_reference(gen, causal, chunk_size):
+    q, k, v = qkv(gen, n=257, d=32)
+    out = ops.lln_attention(q.float(), k.float(), v.float(), 1.5, 1.5, causal=causal, chunk_size=chunk_size)
+    ref = ops.lln_attention_reference(q, k, v, 1.5, 1.5, causal=causal)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_half_precision_is_finite_and_close(gen, dtype, tol, causal):
+    q, k, v = (t.to(dtype) for t in qkv(gen, n=130, d=64, dtype=torch.float32, scale=2.0))
+    mask = padding_mask(2, 130, "right", gen)
+    out = ops.lln_attention(q, k, v, 2.0, 2.0, causal=causal, key_padding_mask=mask)
+    ref = ops.lln_attention_reference(q.double(), k.double(), v.double(), 2.0, 2.0, causal=causal,
+                                      key_padding_mask=mask)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol  # bf16 has 8 mantissa bits (~4e-3 per rounding), fp16 11
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_large_exponents_stay_finite_and_exact(gen, causal):
+    # |alpha q| around 50: exp() of the raw features would overflow fp32 (max ~ e^88)
+    q, k, v = qkv(gen, b=1, h=2, n=200, d=64)
+    q = q / q.abs().amax() * 3
+    k = k / k.abs().amax() * 3
+    out = ops.lln_attention(q.float(), k.float(), v.float(), 50 / 3, 50 / 3, causal=causal, chunk_size=32)
+    ref = ops.lln_attention_reference(q, k, v, 50 / 3, 50 / 3, causal=causal)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("target", ["k", "v"])
+def test_causal_lln_ignores_future_keys_and_values(gen, target):
+    q, k, v = (t.float() for t in qkv(gen, b=1, h=2, n=150, d=32, scale=1.5))
+    out = ops.lln_attention(q, k, v, 2.0, 2.0, causal=True, chunk_size=64)
+    for j in [0, 1, 40, 63, 64, 100, 149]:  # first, mid-chunk, chunk edges, last
+        k2, v2 = k.clone(), v.clone()
+        (k2 if target == "k" else v2)[:, :, j] *= 10
+        out2 = ops.lln_attention(q, k2, v2, 2.0, 2.0, causal=True, chunk_size=64)
+        past = out[:, :, :j]
+        assert ((out2[:, :, :j] - past).abs() <= 1e-6 * past.abs().clamp_min(1e-3)).all(), j
+        if j < 149 and target == "v":
+            assert not torch.allclose(out2[:, :, j], out[:, :, j])  # the change itself is seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_padded_keys_and_values_change_nothing(gen, causal):
+    q, k, v = qkv(gen, n=70)
+    mask = padding_mask(2, 70, "left" if not causal else "right", gen)
+    out = ops.lln_attention(q, k, v, 1.0, 1.0, causal=causal, key_padding_mask=mask, chunk_size=16)
+    k2 = k.masked_fill(mask[:, None, :, None], 1e3)
+    v2 = v.masked_fill(mask[:, None, :, None], 1e3)
+    out2 = ops.lln_attention(q, k2, v2, 1.0, 1.0, causal=causal, key_padding_mask=mask, chunk_size=16)
+    keep = ~mask[:, None, :, None].expand_as(out)
+    assert torch.isfinite(out2).all()
+    torch.testing.assert_close(out2[keep], out[keep], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_all_padding_gives_zeros_not_nan(causal):
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    out = ops.lln_attention(q, k, v, 1.0, 1.0, causal=causal, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_gradcheck(gen, causal):
+    q, k, v = (t.requires_grad_() for t in qkv(gen, b=1, h=2, n=11, d=4))
+    mask = torch.zeros(1, 11, dtype=torch.bool)
+    mask[0, -2:] = True
+    fn = lambda q, k, v: ops.lln_attention(q, k, v, 1.2, 0.9, causal=causal, key_padding_mask=mask, chunk_size=4)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_lln_incremental_decoding_equals_full_causal_forward(gen):
+    q, k, v = (t.float() for t in qkv(gen, n=77, d=16, dv=8, scale=2.0))
+    full = ops.lln_attention(q, k, v, 1.7, 1.7, causal=True, chunk_size=16)
+    s, shift = lln_decode_init(2, 3, 16, 8)
+    steps = []
+    for t in range(77):
+        o, s, shift = lln_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], 1.7, 1.7, s, shift)
+        steps.append(o)
+    assert s.shape == (2, 3, 16, 9)  # O(D Dv) state whatever the context length
+    assert rel_err(torch.cat(steps, 2), full) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_never_materialises_n_by_n(causal):
+    n, d, c = 2048, 32, 64
+    q, k, v = (torch.randn(1, 1, n, d, requires_grad=True) for _ in range(3))
+    with LargestTensor() as probe:
+        ops.lln_attention(q, k, v, 1.0, 1.0, causal=causal, chunk_size=c).sum().backward()
+    # largest tensors: (N/C) chunks of C×C intra weights, (N/C) states of D×(D+1), N×D features
+    assert probe.max_numel <= n * max(c, d + 1)
+    assert probe.max_numel < n * n / 8
+
+
+def test_lln_rejects_bad_input():
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="q must have shape"):
+        ops.lln_attention(q[0], q, q, 1.0, 1.0)
+    with pytest.raises(ValueError, match="same dtype"):
+        ops.lln_attention(q, q.double(), q, 1.0, 1.0)
+    with pytest.raises(ValueError, match="same device"):
+        ops.lln_attention(q, q.to("meta"), q, 1.0, 1.0)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        ops.lln_attention(q, q, q, 1.0, 1.0, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        ops.lln_attention(q, q, q, 1.0, 1.0, causal=True, chunk_size=0)
+    with pytest.raises(ValueError, match="alpha must be finite and > 0"):
+        ops.lln_attention(q, q, q, 0.0, 1.0)
+    with pytest.raises(ValueError, match="beta must be finite and > 0"):
+        ops.lln_attention(q, q, q, 1.0, -2.0)
+    with pytest.raises(ValueError, match="alpha must be broadcastable"):
+        ops.lln_attention(q, q, q, torch.ones(3), 1.0)
+    with pytest.raises(ValueError, match="same length"):
+        ops.lln_attention(q, q[:, :, :3], q[:, :, :3], 1.0, 1.0, causal=True)
