@@ -1,0 +1,214 @@
+"""Concentration instruments (SPEC §8) against closed forms and LLN's propositions."""
+import math
+
+import pytest
+import torch
+
+from fairseq_linattn.analysis import (
+    attention_matrix,
+    entropy,
+    lln_temperature,
+    log_moments,
+    softmax_temperature,
+    sparsity,
+    spectral_gap,
+)
+
+F64 = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("N", [2, 7, 64])
+def test_uniform_attention_has_max_entropy_and_unit_gap(N):
+    P = torch.full((N, N), 1.0 / N, dtype=F64)
+    assert entropy(P).item() == pytest.approx(math.log2(N), abs=1e-12)
+    assert spectral_gap(P).item() == pytest.approx(1.0, abs=1e-9)
+    assert sparsity(P).item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_permutation_has_zero_entropy_and_cyclic_one_zero_gap():
+    N = 9
+    P = torch.eye(N, dtype=F64)[torch.randperm(N, generator=_gen(0))]
+    assert entropy(P).item() == 0.0
+    assert sparsity(P).item() == pytest.approx(1 / math.sqrt(N), abs=1e-12)
+    cyclic = torch.eye(N, dtype=F64).roll(1, dims=1)
+    assert spectral_gap(cyclic).item() == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("a, b", [(0.1, 0.2), (0.3, 0.05), (0.01, 0.6)])
+def test_two_state_chain_gap_is_a_plus_b(a, b):
+    # lambda_2 = 1 - a - b
+    P = torch.tensor([[1 - a, a], [b, 1 - b]], dtype=F64)
+    assert spectral_gap(P).item() == pytest.approx(a + b, abs=1e-12)
+
+
+def test_lazy_cycle_walk_gap_matches_its_spectrum():
+    # P = (1-2p) I + p (shift + shift^-1) has eigenvalues 1 - 2p + 2p cos(2 pi m / N)
+    N, p = 6, 0.25
+    shift = torch.eye(N, dtype=F64).roll(1, dims=1)
+    P = (1 - 2 * p) * torch.eye(N, dtype=F64) + p * (shift + shift.T)
+    moduli = sorted((abs(1 - 2 * p + 2 * p * math.cos(2 * math.pi * m / N)) for m in range(N)), reverse=True)
+    assert spectral_gap(P).item() == pytest.approx(1 - moduli[1], abs=1e-12)  # 0.25
+
+
+def test_entropy_strictly_increases_with_temperature():
+    # LLN Thm. 3.2: dH/dT = Var_P(s) / T^3 > 0 for non-constant rows
+    scores = torch.randn(3, 2, 33, 33, generator=_gen(1), dtype=F64) * 2
+    temps = torch.tensor([0.25, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0], dtype=F64)
+    H = torch.stack([entropy((scores / T).softmax(-1)) for T in temps])
+    assert bool((H.diff(dim=0) > 0).all())
+    assert bool((H <= math.log2(33) + 1e-12).all())
+
+
+def test_softmax_sparsity_matches_lognormal_limit():
+    # z_j = q·k_j / sqrt(D) ~ N(q·mu / sqrt(D), s^2 |q|^2 / D); a ∝ exp(z) gives
+    # E|a| / sqrt(E a^2) = E e^z / sqrt(E e^{2z}) = exp(-Var z / 2) (the mean cancels).
+    D, N, reps, s = 16, 8192, 24, 1.5
+    g = _gen(2)
+    for var in (0.25, 1.0):
+        q = torch.randn(D, generator=g, dtype=F64)
+        q = q / q.norm() * math.sqrt(var * D) / s  # scaled query |q|^2 / D = var / s^2
+        mu = torch.randn(D, generator=g, dtype=F64)
+        k = mu + s * torch.randn(reps, 1, N, D, generator=g, dtype=F64)
+        S = sparsity(attention_matrix("softmax", q.expand(reps, 1, 1, D), k))
+        assert S.shape == (reps, 1)
+        assert S.mean().item() == pytest.approx(math.exp(-var / 2), rel=0.03)
+
+
+def test_softmax_log_moments_follow_prop_3_1():
+    # ln P ~ N(-ln N - sigma^2/2, sigma^2) with sigma^2 = sigma_q^2 sigma_k^2 the score variance
+    N, D = 2048, 64
+    g = _gen(3)
+    for sigma_q, sigma_k in ((1.0, 1.0), (0.5, 2.0)):
+        q = sigma_q * torch.randn(1, 1, N, D, generator=g, dtype=F64)
+        k = sigma_k * torch.randn(1, 1, N, D, generator=g, dtype=F64)
+        sigma2 = (sigma_q * sigma_k) ** 2
+        mean, var = log_moments(attention_matrix("softmax", q, k))
+        assert (mean.item() + math.log(N)) == pytest.approx(-sigma2 / 2, rel=0.1)
+        assert var.item() == pytest.approx(sigma2, rel=0.1)
+        assert softmax_temperature(q, k).item() == pytest.approx(1 / math.sqrt(sigma2), rel=0.05)
+
+
+def test_softmax_temperature_is_inverse_std_of_row_scores():
+    g = _gen(4)
+    q = torch.randn(2, 3, 17, 8, generator=g, dtype=F64) + 0.3
+    k = 2 * torch.randn(2, 3, 29, 8, generator=g, dtype=F64) - 0.5
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    expected = scores.var(-1, unbiased=False).mean(-1).rsqrt()
+    torch.testing.assert_close(softmax_temperature(q, k), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(softmax_temperature(q / 3, k), 3 * expected, rtol=1e-12, atol=0)
+
+
+def test_lln_temperature_closed_form_and_moment_matching():
+    assert lln_temperature(1.0, 1.0, 1.0, 1.0, 1.0, 0.0).item() == pytest.approx(1 / math.sqrt(2))
+    assert lln_temperature(2.0, 0.5, 1.5, 3.0, 0.2, 0.1).item() == pytest.approx(
+        1 / math.sqrt(0.2 * (4 * 2.25 + 0.25 * 9) + 0.1))
+    # SPEC §3.1: alpha, beta from moment matching make tau_lln = 1/(sigma_q sigma_k) = tau_sm
+    a, b = 0.14855178144710912, -0.35487039130661086
+    sigma_q = torch.tensor([0.7, 1.0, 1.3], dtype=F64)
+    sigma_k = torch.tensor([1.1, 1.0, 0.9], dtype=F64)
+    s2 = ((sigma_q * sigma_k) ** 2 - b) / (2 * a)
+    alpha, beta = s2.sqrt() / sigma_q, s2.sqrt() / sigma_k
+    torch.testing.assert_close(lln_temperature(alpha, beta, sigma_q, sigma_k, a, b), 1 / (sigma_q * sigma_k))
+    with pytest.raises(ValueError, match="must be > 0"):
+        lln_temperature(0.1, 0.1, 1.0, 1.0, a, b)
+
+
+def test_spectral_gap_rejects_non_row_stochastic_input():
+    good = torch.full((4, 4), 0.25, dtype=F64)
+    with pytest.raises(ValueError, match="rows summing to 1"):
+        spectral_gap(good * 1.01)
+    negative = good.clone()
+    negative[0, :2] = torch.tensor([-0.25, 0.75], dtype=F64)
+    with pytest.raises(ValueError, match="nonnegative"):
+        spectral_gap(negative)
+    with pytest.raises(ValueError, match="square"):
+        spectral_gap(good[:3])
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        entropy(good[0])
+
+
+def test_measures_are_batched_per_leading_index():
+    g = _gen(5)
+    P = torch.randn(2, 3, 11, 11, generator=g, dtype=F64).softmax(-1)
+    mean, var = log_moments(P)
+    for fn_value in (entropy(P), spectral_gap(P), sparsity(P), mean, var):
+        assert fn_value.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            assert entropy(P[i, j]).shape == ()
+            torch.testing.assert_close(entropy(P[i, j]), entropy(P)[i, j])
+            torch.testing.assert_close(spectral_gap(P[i, j]), spectral_gap(P)[i, j])
+            torch.testing.assert_close(sparsity(P[i, j]), sparsity(P)[i, j])
+            torch.testing.assert_close(log_moments(P[i, j])[1], var[i, j])
+    half = spectral_gap(P.to(torch.bfloat16))
+    assert half.dtype == torch.float32 and bool(torch.isfinite(half).all())
+
+
+def test_attention_matrix_matches_formulas_and_samples_rows():
+    g = _gen(6)
+    B, H, N, D = 2, 3, 13, 5
+    q, k = (torch.randn(B, H, N, D, generator=g, dtype=F64) for _ in range(2))
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -4:] = True
+    P = attention_matrix("softmax", q, k, key_padding_mask=pad)
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(pad[:, None, None, :], float("-inf"))
+    torch.testing.assert_close(P, logits.softmax(-1), rtol=1e-12, atol=0)
+
+    alpha = torch.tensor([1.0, 1.5, 2.0], dtype=F64).view(1, H, 1, 1)
+    L = attention_matrix("lln", q, k, alpha=alpha, beta=0.7, causal=True)
+    scores = torch.exp(alpha * q) @ torch.exp(0.7 * k).transpose(-1, -2)  # LLN eq. 8-9
+    scores = scores.tril()
+    torch.testing.assert_close(L, scores / scores.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+    assert bool((L.triu(1) == 0).all())
+    assert spectral_gap(L).shape == (B, H)
+
+    rows = torch.tensor([0, 5, 12])
+    torch.testing.assert_close(attention_matrix("lln", q, k, alpha=alpha, beta=0.7, causal=True, rows=rows),
+                               L[:, :, rows], rtol=1e-12, atol=0)
+    sampled = attention_matrix("softmax", q, k, rows=4)
+    assert sampled.shape == (B, H, 4, N)
+    torch.testing.assert_close(sampled, attention_matrix("softmax", q, k)[:, :, [0, 4, 8, 12]])
+    assert entropy(sampled).shape == sparsity(sampled).shape == log_moments(sampled)[0].shape == (B, H)
+    with pytest.raises(ValueError, match="square"):
+        spectral_gap(sampled)
+
+
+def test_lln_attention_matrix_is_exact_for_large_fp32_inputs():
+    # exponents spread over ~±100: exp(alpha q)·exp(beta k) over- or underflows in fp32 if done naively
+    g = _gen(7)
+    q, k = (15 * torch.randn(1, 2, 40, 8, generator=g) for _ in range(2))
+    P = attention_matrix("lln", q, k, alpha=2.0, beta=2.0)
+    log_features = torch.logsumexp(2.0 * q.double()[..., :, None, :] + 2.0 * k.double()[..., None, :, :], dim=-1)
+    assert P.dtype == torch.float32
+    torch.testing.assert_close(P, log_features.softmax(-1).float(), rtol=1e-5, atol=1e-7)
+
+
+def test_lln_attention_matrix_handles_huge_offsets_exactly():
+    # exp(alpha (q_i + c_i)) scales row i by a constant (cancels); exp(beta (k_j + c_j)) reweights
+    # column j by exp(beta c_j). Offsets of hundreds overflow exp even in float64 without the shifts.
+    g = _gen(8)
+    q, k = (torch.randn(1, 2, 9, 4, generator=g, dtype=F64) for _ in range(2))
+    P = attention_matrix("lln", q, k, alpha=2.0, beta=1.5)
+    row_offset = 400 * torch.rand(1, 2, 9, 1, generator=g, dtype=F64)
+    torch.testing.assert_close(attention_matrix("lln", q + row_offset, k, alpha=2.0, beta=1.5), P)
+    key_offset = 400 * torch.rand(1, 2, 9, 1, generator=g, dtype=F64)
+    expected = (P.log() + 1.5 * key_offset.transpose(-1, -2)).softmax(-1)
+    torch.testing.assert_close(attention_matrix("lln", q, k + key_offset, alpha=2.0, beta=1.5), expected)
+
+
+def test_attention_matrix_rejects_bad_arguments():
+    q = torch.randn(1, 1, 6, 4)
+    with pytest.raises(ValueError, match="kind"):
+        attention_matrix("performer", q, q)
+    with pytest.raises(ValueError, match="alpha and beta"):
+        attention_matrix("lln", q, q)
+    with pytest.raises(ValueError, match="rows"):
+        attention_matrix("softmax", q, q, rows=torch.tensor([6]))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        attention_matrix("softmax", q, q, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="same length"):
+        attention_matrix("softmax", q, q[:, :, :5], causal=True)
