@@ -1,0 +1,309 @@
+"""LAVO: linear attention via orthogonal memory (LAVO §3; the exact definition is SPEC §6).
+
+Self-attention output ``0.5 * (F_local + F_global)``:
+- ``F_local``: softmax attention inside a window of ``w`` tokens with a learnable relative bias
+  ``P`` (H, 2w-1), score ``q_t·k_j/sqrt(D) + P[j - t + w - 1]`` (LAVO §3.2 context dissection,
+  §3.3 embedded position encoding). Causal: keys ``t-w+1 .. t``; non-causal: the tokens of the
+  query's own window ``[m*w, (m+1)*w)``.
+- ``F_global = softmax(q Xtil^T / sqrt(D)) Xtil`` on the orthogonal memory ``Xtil = B ⊙ H``
+  (r vectors ``H_i * B_i``), ``H = mean_t (B x_t)`` over the local outputs ``x_t`` of the
+  non-padded tokens of earlier windows (causal) or of the whole sequence (non-causal)
+  (LAVO §3.1 eq. 3-4). With no such token (causal window 0) the output is ``F_local`` alone.
+
+``bases`` B is (H, r, D) with r <= D (orthonormal rows, see ``lavo_init_bases``); ``v`` must have
+the head dim D of ``q`` since the memory lives in value space and is scored against ``q``.
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+
+
+def lavo_init_bases(num_heads: int, num_bases: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
+                    device=None) -> Tensor:
+    """(H, r, D) bases, each head ``nn.init.orthogonal_`` (Saxe et al.): rows orthonormal as r <= D."""
+    check_positive_int("num_heads", num_heads)
+    check_positive_int("num_bases", num_bases)
+    check_positive_int("head_dim", head_dim)
+    if num_bases > head_dim:
+        raise ValueError(f"num_bases must be <= head_dim = {head_dim} (orthogonal rows), got {num_bases}")
+    bases = torch.empty(num_heads, num_bases, head_dim, dtype=torch.float32, device=device)
+    for head in bases:
+        torch.nn.init.orthogonal_(head)
+    return bases.to(dtype)
+
+
+def _check_value_dim(q: Tensor, v: Tensor, v_name: str) -> None:
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{v_name} must have the head dim D = {q.shape[-1]} of q (the LAVO memory B ⊙ H "
+                         f"is compared with q), got Dv = {v.shape[-1]}")
+
+
+def _check_bases(bases: Tensor, num_heads: int, head_dim: int) -> None:
+    if not isinstance(bases, Tensor) or not bases.is_floating_point():
+        got = f"dtype {bases.dtype}" if isinstance(bases, Tensor) else type(bases).__name__
+        raise ValueError(f"bases must be a floating-point tensor of shape (H, r, D), got {got}")
+    if bases.dim() != 3 or bases.shape[0] != num_heads or bases.shape[2] != head_dim or bases.shape[1] < 1:
+        raise ValueError(f"bases must have shape (H, r, D) = ({num_heads}, r, {head_dim}), got {tuple(bases.shape)}")
+    if bases.shape[1] > head_dim:
+        raise ValueError(f"bases must have r <= D = {head_dim} (orthogonal rows), got r = {bases.shape[1]}")
+
+
+def _check_pos_bias(pos_bias: Tensor, num_heads: int, window: int) -> None:
+    expected = (num_heads, 2 * window - 1)
+    if not isinstance(pos_bias, Tensor) or not pos_bias.is_floating_point() or tuple(pos_bias.shape) != expected:
+        got = tuple(pos_bias.shape) if isinstance(pos_bias, Tensor) else type(pos_bias).__name__
+        raise ValueError(f"pos_bias must be a floating-point tensor of shape (H, 2w-1) = {expected} "
+                         f"for window w = {window}, got {got}")
+
+
+def _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask) -> Tuple[int, Optional[Tensor]]:
+    check_qkv(q, k, v)
+    _check_value_dim(q, v, "v")
+    window = check_positive_int("window", window)
+    _check_bases(bases, q.shape[1], q.shape[-1])
+    _check_pos_bias(pos_bias, q.shape[1], window)
+    return window, check_key_padding_mask(key_padding_mask, k)
+
+
+def _masked_softmax(scores: Tensor, allowed: Tensor) -> Tensor:
+    """Softmax over the last dim restricted to ``allowed``; rows with nothing allowed give 0 (no NaN)."""
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    top = scores.detach().amax(-1, keepdim=True)  # the shift cancels exactly: no gradient needed
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(scores - top)
+    return e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+
+
+def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float) -> Tensor:
+    """softmax(q Xtil^T * scale) Xtil with Xtil_i = mean_i * B_i (LAVO eq. 4), never forming Xtil.
+
+    qb = q B^T (B,H,...,r), mean (broadcastable to qb), bases (H,r,D) -> (B,H,...,D).
+    Uses q·Xtil_i = mean_i (q·B_i) and sum_i p_i Xtil_i = (p * mean) B.
+    """
+    p = torch.softmax(qb * mean * scale, -1)
+    w = (p * mean).flatten(2, -2)  # (B,H,M,r)
+    out = torch.einsum("bhmr,hrd->bhmd", w, bases)
+    return out.view(*qb.shape[:-1], bases.shape[-1])
+
+
+def _windows(x: Tensor, w: int, causal: bool) -> Tensor:
+    """(B,H,nw*w,C) -> keys seen by each window: (B,H,nw,2w,C) previous+own window if causal, else (B,H,nw,w,C)."""
+    b, h, n, c = x.shape
+    xw = x.view(b, h, n // w, w, c)
+    if not causal:
+        return xw
+    prev = F.pad(xw, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    return torch.cat([prev, xw], dim=3)
+
+
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: Tensor, w: int,
+                     causal: bool) -> Tensor:
+    """F_local (LAVO §3.2-3.3) on (B,H,nw*w,D) inputs; valid (B,nw*w) marks real, non-padded keys."""
+    b, h, n, d = q.shape
+    nw = n // w
+    qw = q.view(b, h, nw, w, d)
+    kw, vw = _windows(k, w, causal), _windows(v, w, causal)
+    key_valid = _windows(valid[:, None, :, None], w, causal)[:, 0, :, :, 0]  # (B,nw,keys)
+    i = torch.arange(w, device=q.device)[:, None]
+    c = torch.arange(kw.shape[3], device=q.device)[None, :]
+    rel = c - w - i if causal else c - i  # j - t for query slot i, key slot c
+    band = (rel <= 0) & (rel > -w) if causal else torch.ones_like(rel, dtype=torch.bool)
+    bias = pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)]  # P[j - t + w - 1], (H,w,keys)
+    scores = torch.einsum("bhmid,bhmcd->bhmic", qw, kw) / math.sqrt(d) + bias[None, :, None]
+    allowed = band & key_valid[:, None, :, None, :]
+    p = _masked_softmax(scores, allowed)
+    return torch.einsum("bhmic,bhmcd->bhmid", p, vw).reshape(b, h, n, d)
+
+
+def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *, window: int = 64,
+                   causal: bool = True, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """LAVO self-attention in O(N (w + r)) time and memory (no N×N matrix).
+
+    q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D). Causal local attention uses
+    blocks of w queries against (previous + own) window with a band mask; the causal memory is an
+    exclusive cumulative sum over windows of sum_t B x_t and of the token counts.
+    """
+    w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
+    b, h, n, d = q.shape
+    ct = compute_dtype(q)
+    nw = -(-n // w)
+    pad = nw * w - n
+    q_, k_, v_ = (F.pad(t.to(ct), (0, 0, 0, pad)) for t in (q, k, v))
+    bases_, pos_bias_ = bases.to(ct), pos_bias.to(ct)
+    valid = torch.arange(nw * w, device=q.device).expand(b, nw * w) < n
+    if key_padding_mask is not None:
+        valid = valid & ~F.pad(key_padding_mask, (0, pad), value=True)
+    scale = 1.0 / math.sqrt(d)
+
+    x = _local_attention(q_, k_, v_, pos_bias_, valid, w, causal)
+    tok = valid.to(ct)
+    bx = torch.einsum("bhnd,hrd->bhnr", x, bases_) * tok[:, None, :, None]  # B x_t, padded tokens dropped
+    qb = torch.einsum("bhnd,hrd->bhnr", q_, bases_)
+    r = bases.shape[1]
+    if causal:
+        win_sum = bx.view(b, h, nw, w, r).sum(3)
+        win_cnt = tok.view(b, nw, w).sum(2)
+        mem_sum = F.pad(win_sum.cumsum(2), (0, 0, 1, 0))[:, :, :-1]  # windows < m
+        mem_cnt = F.pad(win_cnt.cumsum(1), (1, 0))[:, :-1]  # (B,nw)
+        mean = mem_sum / mem_cnt.clamp_min(1)[:, None, :, None]  # H of eq. 3, (B,H,nw,r)
+        glob = _memory_readout(qb.view(b, h, nw, w, r), mean[:, :, :, None, :], bases_, scale)
+        glob = glob.view(b, h, nw * w, d)
+        has_mem = (mem_cnt > 0).repeat_interleave(w, dim=1)[:, None, :, None]
+    else:
+        cnt = tok.sum(1)  # (B,)
+        mean = bx.sum(2) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
+        glob = _memory_readout(qb, mean[:, :, None, :], bases_, scale)
+        has_mem = (cnt > 0)[:, None, None, None]
+    out = torch.where(has_mem, 0.5 * (x + glob), x)
+    return out[:, :, :n].to(q.dtype)
+
+
+def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *,
+                             window: int = 64, causal: bool = True,
+                             key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """SPEC §6 materialised: N×N local mask and bias, per-query memory mask and Xtil (B,H,N,r,D)."""
+    w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
+    b, h, n, d = q.shape
+    ct = compute_dtype(q)
+    q, k, v, bases, pos_bias = (t.to(ct) for t in (q, k, v, bases, pos_bias))
+    t = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    # local: causal keys t-w+1..t, else the query's own window; score q·k/sqrt(D) + P[j - t + w - 1]
+    local = (j <= t) & (j > t - w) if causal else (j // w) == (t // w)
+    allowed = local & valid[:, None, None, :]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d) + pos_bias[:, (j - t + w - 1).clamp(0, 2 * w - 2)]
+    scores = scores.masked_fill(~allowed, torch.finfo(ct).min)
+    x = (torch.softmax(scores, -1) * allowed.any(-1, keepdim=True)) @ v  # no allowed key -> 0
+    # memory: H_t = mean of B x_j over non-padded j of earlier windows (causal) or all j (eq. 3)
+    mem = valid[:, None, :] & ((j // w) < (t // w) if causal else torch.ones_like(local))
+    cnt = mem.sum(-1).to(ct)  # (B,N)
+    bx = torch.einsum("bhjd,hrd->bhjr", x, bases)
+    mean = torch.einsum("btj,bhjr->bhtr", mem.to(ct), bx) / cnt.clamp_min(1)[:, None, :, None]
+    xtil = mean[..., None] * bases[None, :, None]  # Xtil = B ⊙ H, (B,H,N,r,D)
+    p = torch.softmax(torch.einsum("bhtd,bhtrd->bhtr", q, xtil) / math.sqrt(d), -1)  # eq. 4
+    glob = torch.einsum("bhtr,bhtrd->bhtd", p, xtil)
+    has_mem = (cnt > 0)[:, None, :, None]
+    return torch.where(has_mem, 0.5 * (x + glob), x)
+
+
+def _check_cross(q, k_src, v_src, bases, key_padding_mask) -> Optional[Tensor]:
+    check_qkv(q, k_src, v_src, same_length=False)
+    _check_value_dim(q, v_src, "v_src")
+    _check_bases(bases, q.shape[1], q.shape[-1])
+    return check_key_padding_mask(key_padding_mask, k_src)
+
+
+def lavo_cross_attention(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
+                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """LAVO cross-attention (§3.4): softmax(Q Xtil^T/sqrt(D)) Xtil, Xtil = B ⊙ mean_j(B v_j), no local part.
+
+    q (B,H,N,D), k_src (B,H,S,D), v_src (B,H,S,D), bases (H,r,D) -> (B,H,N,D). CODE uses the
+    source *values* only (SPEC §6); k_src is checked for shape but does not enter the output.
+    Padded source tokens are left out of the mean; with no source token the output is 0. O((N+S) r D).
+    """
+    key_padding_mask = _check_cross(q, k_src, v_src, bases, key_padding_mask)
+    ct = compute_dtype(q)
+    q_, v_, bases_ = q.to(ct), v_src.to(ct), bases.to(ct)
+    tok = torch.ones(v_src.shape[0], v_src.shape[2], dtype=ct, device=q.device)
+    if key_padding_mask is not None:
+        tok = (~key_padding_mask).to(ct)
+    cnt = tok.sum(1)
+    bv = torch.einsum("bhsd,hrd->bhsr", v_, bases_) * tok[:, None, :, None]
+    mean = bv.sum(2) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
+    qb = torch.einsum("bhnd,hrd->bhnr", q_, bases_)
+    out = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(q.shape[-1]))
+    return (out * (cnt > 0).to(ct)[:, None, None, None]).to(q.dtype)
+
+
+def lavo_cross_attention_reference(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
+                                   key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Materialises Xtil (B,H,r,D) = H_i * B_i with H = mean over non-padded source of B v_j."""
+    key_padding_mask = _check_cross(q, k_src, v_src, bases, key_padding_mask)
+    ct = compute_dtype(q)
+    q, v, bases = q.to(ct), v_src.to(ct), bases.to(ct)
+    keep = torch.ones(v.shape[0], v.shape[2], dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask
+    out = torch.zeros_like(q)
+    for bi in range(q.shape[0]):
+        if not keep[bi].any():
+            continue  # no source token: no memory, output 0
+        code = torch.einsum("hsd,hrd->hsr", v[bi][:, keep[bi]], bases).mean(1)  # H (eq. 3), (H,r)
+        xtil = code[..., None] * bases  # (H,r,D)
+        p = torch.softmax(q[bi] @ xtil.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)  # eq. 4
+        out[bi] = p @ xtil
+    return out
+
+
+def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: int, *, window: int,
+                    dtype: torch.dtype = torch.float32, device=None) -> Dict[str, Tensor]:
+    """Empty decoding state for ``lavo_decode_step`` (half dtypes are kept in float32).
+
+    - ``prev_key``, ``prev_value`` (B,H,w-1,D): the last w-1 keys/values (zeros before the start)
+    - ``mem_sum`` (B,H,r), ``mem_count`` (B,): sum of B x_t over completed windows and its token count
+    - ``window_sum`` (B,H,r): sum of B x_t over the current window's tokens so far
+    - ``position`` (B,) long: index t of the next token
+    Every tensor has the batch on dim 0, so beam reordering is
+    ``{name: t.index_select(0, new_order) for name, t in state.items()}``.
+    """
+    window = check_positive_int("window", window)
+    if dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    kv = dict(dtype=dtype, device=device)
+    return {
+        "prev_key": torch.zeros(batch_size, num_heads, window - 1, head_dim, **kv),
+        "prev_value": torch.zeros(batch_size, num_heads, window - 1, head_dim, **kv),
+        "mem_sum": torch.zeros(batch_size, num_heads, num_bases, **kv),
+        "mem_count": torch.zeros(batch_size, **kv),
+        "window_sum": torch.zeros(batch_size, num_heads, num_bases, **kv),
+        "position": torch.zeros(batch_size, dtype=torch.long, device=device),
+    }
+
+
+def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_bias: Tensor,
+                     state: Dict[str, Tensor], *, window: int) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """One causal LAVO token: q_t, k_t, v_t (B,H,1,D) -> (out (B,H,1,D), new_state); O(w D + r D).
+
+    Equals ``lavo_attention(..., causal=True)`` at position ``state["position"]`` (no key padding).
+    """
+    w, _ = _check_lavo(q_t, k_t, v_t, bases, pos_bias, window, None)
+    b, h, n, d = q_t.shape
+    if n != 1:
+        raise ValueError(f"q_t, k_t, v_t must hold one token, shape (B, H, 1, D), got {tuple(q_t.shape)}")
+    if tuple(state["prev_key"].shape) != (b, h, w - 1, d):
+        raise ValueError(f"state['prev_key'] must have shape (B, H, w-1, D) = {(b, h, w - 1, d)}, "
+                         f"got {tuple(state['prev_key'].shape)} (was the state made with this window?)")
+    ct = state["mem_sum"].dtype
+    q, k, v, bases_, pos_bias_ = (x.to(ct) for x in (q_t, k_t, v_t, bases, pos_bias))
+    pos = state["position"]
+    keys = torch.cat([state["prev_key"], k], dim=2)  # positions t-w+1 .. t
+    values = torch.cat([state["prev_value"], v], dim=2)
+    slot = torch.arange(w, device=q.device)
+    allowed = (slot[None, :] >= (w - 1 - pos)[:, None])[:, None, None, :]  # slot c holds t-(w-1)+c >= 0
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(d) + pos_bias_[:, None, :w]  # P[j - t + w - 1] = P[c]
+    x = _masked_softmax(scores, allowed) @ values  # F_local,t
+    mem_count = state["mem_count"]
+    mean = state["mem_sum"] / mem_count.clamp_min(1)[:, None, None]
+    qb = torch.einsum("bhnd,hrd->bhnr", q, bases_)
+    glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(d))
+    out = torch.where((mem_count > 0)[:, None, None, None], 0.5 * (x + glob), x)
+
+    window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_)
+    ends = ((pos + 1) % w == 0)[:, None, None]  # this token completes its window: fold it into memory
+    new_state = {
+        "prev_key": keys[:, :, 1:],
+        "prev_value": values[:, :, 1:],
+        "mem_sum": torch.where(ends, state["mem_sum"] + window_sum, state["mem_sum"]),
+        "mem_count": mem_count + ends[:, 0, 0].to(ct) * w,
+        "window_sum": torch.where(ends, torch.zeros_like(window_sum), window_sum),
+        "position": pos + 1,
+    }
+    return out.to(q_t.dtype), new_state

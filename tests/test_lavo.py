@@ -1,0 +1,258 @@
+"""LAVO ops (SPEC §6): fast windowed form vs the materialised reference, causality, padding,
+gradients, half precision, token-by-token decoding and argument errors."""
+import pytest
+import torch
+
+from fairseq_linattn import ops
+from fairseq_linattn.ops.lavo import (
+    lavo_attention,
+    lavo_attention_reference,
+    lavo_cross_attention,
+    lavo_cross_attention_reference,
+    lavo_decode_step,
+    lavo_init_bases,
+    lavo_init_state,
+)
+
+B, H, D = 2, 3, 8
+
+# (window, num_bases, N): N < w, N not a multiple of w, N a multiple, r < D, r = D, w = 1
+SHAPES = [(8, 8, 5), (4, 5, 11), (4, 8, 12), (3, 2, 10), (1, 4, 6), (6, 8, 25)]
+
+
+def _inputs(n, w, r, dtype=torch.float64, seed=0, b=B, h=H, d=D):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    bases = lavo_init_bases(h, r, d, dtype=torch.float64)
+    pos_bias = 0.5 * torch.randn(h, 2 * w - 1, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, bases, pos_bias)]
+
+
+def _padding(n, b=B):
+    """Row 0 right-padded, row 1 left-padded (at least one real token each)."""
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    mask[0, n - n // 3:] = True
+    mask[1, : n // 4] = True
+    return mask
+
+
+def _rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("w,r,n", SHAPES)
+def test_lavo_matches_reference_float64(w, r, n, causal, padded):
+    q, k, v, bases, pos_bias = _inputs(n, w, r)
+    mask = _padding(n) if padded else None
+    out = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+    ref = lavo_attention_reference(q, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+    assert out.shape == (B, H, n, D) and out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("w,r,n", [(4, 5, 11), (16, 8, 70)])
+def test_lavo_float32_matches_float64_reference(w, r, n, causal):
+    args64 = _inputs(n, w, r, seed=1)
+    mask = _padding(n)
+    ref = lavo_attention_reference(*args64, window=w, causal=causal, key_padding_mask=mask)
+    out = lavo_attention(*(t.float() for t in args64), window=w, causal=causal, key_padding_mask=mask)
+    assert out.dtype == torch.float32
+    assert _rel_err(out.double(), ref) < 1e-5
+
+
+def test_lavo_is_exported_from_ops():
+    assert ops.lavo_attention is lavo_attention and ops.lavo_attention_reference is lavo_attention_reference
+
+
+def test_lavo_memory_changes_output_after_first_window():
+    """Window 0 is F_local alone; later windows mix in the memory (so the global part is live)."""
+    w, n = 4, 12
+    q, k, v, bases, pos_bias = _inputs(n, w, D)
+    full = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True)
+    v2 = v.clone()
+    v2[:, :, 0] += 3.0  # token 0 is outside the local window of tokens >= 4: only the memory carries it
+    moved = lavo_attention(q, k, v2, bases, pos_bias, window=w, causal=True)
+    assert (moved - full)[:, :, w:].abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("what", ["values", "keys", "queries"])
+@pytest.mark.parametrize("w,n,j", [(4, 13, 6), (4, 13, 8), (5, 12, 3)])
+def test_causal_lavo_ignores_future_tokens(what, w, n, j):
+    q, k, v, bases, pos_bias = _inputs(n, w, 6, dtype=torch.float32, seed=2)
+    out = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True)
+    changed = {"queries": q, "keys": k, "values": v}[what].clone()
+    changed[:, :, j:] *= 10.0
+    args = {"queries": (changed, k, v), "keys": (q, changed, v), "values": (q, k, changed)}[what]
+    out2 = lavo_attention(*args, bases, pos_bias, window=w, causal=True)
+    torch.testing.assert_close(out2[:, :, :j], out[:, :, :j], rtol=1e-6, atol=1e-6)
+    assert (out2[:, :, j:] - out[:, :, j:]).abs().amax() > 1e-3  # the change is visible downstream
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_lavo_ignores_padded_tokens(side, causal):
+    w, n = 4, 14
+    q, k, v, bases, pos_bias = _inputs(n, w, 6, dtype=torch.float32, seed=3)
+    mask = torch.zeros(B, n, dtype=torch.bool)
+    if side == "right":
+        mask[0, 9:] = True
+        mask[1, 12:] = True
+    else:
+        mask[0, :5] = True
+        mask[1, :2] = True
+    out = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+    q2, k2, v2 = (t.masked_fill(mask[:, None, :, None], 1e3) for t in (q, k, v))
+    out2 = lavo_attention(q2, k2, v2, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+    keep = ~mask[:, None, :, None]
+    torch.testing.assert_close(out2 * keep, out * keep, rtol=1e-6, atol=1e-6)
+
+
+def test_lavo_rows_without_valid_keys_give_zero():
+    w, n = 4, 10
+    q, k, v, bases, pos_bias = _inputs(n, w, 6, seed=4)
+    mask = torch.zeros(B, n, dtype=torch.bool)
+    mask[0, :6] = True  # causal: queries 0..5 of row 0 see only padded keys
+    mask[1, :] = True  # non-causal: a fully padded row
+    for causal, rows in ((True, (0, slice(0, 6))), (False, (1, slice(None)))):
+        for fn in (lavo_attention, lavo_attention_reference):
+            q_ = q.clone().requires_grad_()
+            out = fn(q_, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+            out.sum().backward()
+            assert torch.isfinite(out).all() and torch.isfinite(q_.grad).all()
+            assert out[rows[0], :, rows[1]].abs().amax() == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lavo_gradients_reach_bases_and_pos_bias(causal):
+    w, n = 4, 11
+    q, k, v, bases, pos_bias = _inputs(n, w, 6, dtype=torch.float32, seed=5)
+    bases.requires_grad_()
+    pos_bias.requires_grad_()
+    out = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=_padding(n))
+    (out * torch.randn_like(out)).sum().backward()
+    used = slice(0, w) if causal else slice(None)  # causal offsets j - t <= 0 use P[0 .. w-1] only
+    for g in (bases.grad, pos_bias.grad[:, used]):
+        assert torch.isfinite(g).all()
+        assert (g.abs() > 0).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lavo_gradcheck_float64(causal):
+    w, n = 3, 7
+    args = [t.requires_grad_() for t in _inputs(n, w, 4, b=1, h=2, d=4, seed=6)]
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, -1] = True
+    assert torch.autograd.gradcheck(
+        lambda *a: lavo_attention(*a, window=w, causal=causal, key_padding_mask=mask), args)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_lavo_half_precision_is_finite_and_close_to_fp32(dtype, tol, causal):
+    w, n = 8, 37
+    q, k, v, bases, pos_bias = _inputs(n, w, D, dtype=torch.float32, seed=7)
+    mask = _padding(n)
+    ref = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask)
+    out = lavo_attention(*(t.to(dtype) for t in (q, k, v, bases, pos_bias)), window=w, causal=causal,
+                         key_padding_mask=mask)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel_err(out.float(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("w,n", [(4, 11), (8, 5), (1, 4), (3, 9)])
+def test_lavo_decode_steps_equal_causal_forward(dtype, tol, w, n):
+    r = 5
+    q, k, v, bases, pos_bias = _inputs(n, w, r, dtype=dtype, seed=8)
+    full = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True)
+    state = lavo_init_state(B, H, D, r, window=w, dtype=dtype)
+    steps = []
+    for t in range(n):
+        out, state = lavo_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], bases, pos_bias,
+                                      state, window=w)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 2), full, rtol=tol, atol=tol)
+
+
+def test_lavo_decode_state_reorders_by_index_select():
+    """Beam reordering = index_select on dim 0 of every state tensor, then decoding continues correctly."""
+    w, n, r = 3, 8, 4
+    q, k, v, bases, pos_bias = _inputs(n, w, r, seed=9)
+    order = torch.tensor([1, 1, 0])
+    state = lavo_init_state(B, H, D, r, window=w, dtype=torch.float64)
+    for t in range(5):
+        _, state = lavo_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], bases, pos_bias, state,
+                                    window=w)
+    state = {name: s.index_select(0, order) for name, s in state.items()}
+    q, k, v = (x.index_select(0, order) for x in (q, k, v))
+    full = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True)
+    for t in range(5, n):
+        out, state = lavo_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], bases, pos_bias,
+                                      state, window=w)
+        torch.testing.assert_close(out, full[:, :, t:t + 1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("r", [3, D])
+def test_lavo_cross_attention_matches_reference_with_source_padding(dtype, tol, r):
+    n, s = 7, 10
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(B, H, n, D, generator=g, dtype=torch.float64)
+    k_src, v_src = (torch.randn(B, H, s, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bases = lavo_init_bases(H, r, D, dtype=torch.float64)
+    mask = torch.zeros(B, s, dtype=torch.bool)
+    mask[0, 6:] = True
+    mask[1, :3] = True
+    ref = lavo_cross_attention_reference(q, k_src, v_src, bases, key_padding_mask=mask)
+    out = lavo_cross_attention(*(t.to(dtype) for t in (q, k_src, v_src, bases)), key_padding_mask=mask)
+    assert out.shape == (B, H, n, D) and out.dtype == dtype
+    assert _rel_err(out.double(), ref) < tol
+    v_pad = v_src.masked_fill(mask[:, None, :, None], 1e3)  # padded source values change nothing
+    out_pad = lavo_cross_attention(q, k_src, v_pad, bases, key_padding_mask=mask)
+    torch.testing.assert_close(out_pad, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_lavo_cross_attention_with_no_source_token_gives_zero():
+    q, k_src, v_src, bases, _ = _inputs(5, 2, 4, seed=11)
+    mask = torch.zeros(B, 5, dtype=torch.bool)
+    mask[1] = True
+    for fn in (lavo_cross_attention, lavo_cross_attention_reference):
+        out = fn(q, k_src, v_src, bases, key_padding_mask=mask)
+        assert torch.isfinite(out).all() and out[1].abs().amax() == 0 and out[0].abs().amax() > 0
+
+
+def test_lavo_init_bases_has_orthonormal_rows():
+    for r in (3, D):
+        bases = lavo_init_bases(H, r, D)
+        assert bases.shape == (H, r, D)
+        eye = torch.eye(r).expand(H, r, r)
+        torch.testing.assert_close(bases @ bases.transpose(-1, -2), eye, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="num_bases"):
+        lavo_init_bases(H, D + 1, D)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(window=0), "window"),
+    (dict(bases=torch.zeros(H, D + 1, D)), r"bases.*r <= D"),
+    (dict(bases=torch.zeros(H + 1, 4, D)), r"bases.*\(H, r, D\)"),
+    (dict(bases=torch.zeros(H, 4, D - 1)), r"bases.*\(H, r, D\)"),
+    (dict(pos_bias=torch.zeros(H, 4)), r"pos_bias.*\(H, 2w-1\) = \(3, 7\)"),
+    (dict(pos_bias=torch.zeros(H + 1, 7)), r"pos_bias.*\(H, 2w-1\)"),
+    (dict(v=torch.zeros(B, H, 6, D + 2)), r"v must have the head dim D = 8"),
+])
+def test_lavo_rejects_bad_arguments(change, match):
+    q, k, v, bases, pos_bias = _inputs(6, 4, 4, dtype=torch.float32)
+    args = dict(q=q, k=k, v=v, bases=bases, pos_bias=pos_bias, window=4)
+    args.update(change)
+    for fn in (lavo_attention, lavo_attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(args["q"], args["k"], args["v"], args["bases"], args["pos_bias"], window=args["window"])
+
+
+def test_lavo_cross_attention_rejects_value_dim_mismatch():
+    q = torch.randn(B, H, 4, D)
+    with pytest.raises(ValueError, match="v_src must have the head dim"):
+        lavo_cross_attention(q, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D + 1), lavo_init_bases(H, 4, D))
