@@ -22,20 +22,21 @@ def _allowed(q: Tensor, k: Tensor, causal: bool, key_padding_mask: Optional[Tens
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                      key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                      key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
     """softmax(q k^T / sqrt(D)) v through ``scaled_dot_product_attention``.
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Causal alignment is bottom-right
     (query i sees keys j <= i + S - N). Queries with no allowed key get 0, never NaN.
+    ``dropout_p`` drops attention weights (training only; the modules pass it).
     """
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     if key_padding_mask is None and (not causal or q.shape[2] == k.shape[2]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
     allowed = _allowed(q, k, causal, key_padding_mask)
     has_key = allowed.any(-1, keepdim=True)
     # a row with no allowed key would make SDPA return NaN (and NaN gradients): open it, then zero it
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, dropout_p=dropout_p)
     return out.masked_fill(~has_key, 0.0)
 
 
