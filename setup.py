@@ -21,6 +21,7 @@ FAIRSEQ_RUNTIME_DEPS = [
     "tqdm",
     "packaging",
     "cython",
+    "requests",  # fairseq downloads the GPT-2 BPE files with it
 ]
 
 setup(

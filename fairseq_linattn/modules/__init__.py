@@ -1,0 +1,3 @@
+"""fairseq modules: attention with MultiheadAttention's interface, and the encoder/decoder using it."""
+from .attention import ATTENTION_CLASSES, AttentionBase, build_attention  # noqa: F401
+from .options import AttentionOptions, METHODS, CAUSAL_METHODS, validate_attention_options  # noqa: F401

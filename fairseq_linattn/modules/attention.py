@@ -1,0 +1,288 @@
+"""Attention modules with fairseq's ``MultiheadAttention`` interface, one class per method.
+
+Each module owns ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (fairseq's names, so a softmax
+checkpoint loads into any variant), reshapes fairseq's time-first (T, B, C) to the ops' (B, H, T, D),
+calls its op, and keeps an O(1)-or-O(window) incremental state for decoding. Causality is fixed at
+construction (decoder self-attention), never inferred from a mask.
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fairseq.incremental_decoding_utils import with_incremental_state
+
+from .. import ops
+from ..ops.lln import lln_decode_init, lln_decode_step
+from ..ops.lln_diag import mix_lln_diag
+from ..ops.moment_matching import MomentMatcher
+
+State = Dict[str, Optional[Tensor]]
+
+
+@with_incremental_state
+class AttentionBase(nn.Module):
+    """Projections, layout and incremental-state plumbing shared by every method."""
+
+    method = "base"
+    supports_causal = True
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: Optional[int] = None, vdim: Optional[int] = None,
+                 dropout: float = 0.0, causal: bool = False, bias: bool = True, **_unused):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if causal and not self.supports_causal:
+            raise ValueError(f"{self.method} is a non-causal method and cannot be causal (decoder) "
+                             f"self-attention; causal methods: {', '.join(ops_causal_methods())}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal = causal
+        self.dropout = dropout
+        kdim, vdim = kdim or embed_dim, vdim or embed_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        # fairseq MultiheadAttention's initialisation
+        gain = 1 / math.sqrt(2) if kdim == vdim == embed_dim else 1.0
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if bias:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _heads(self, x: Tensor) -> Tensor:
+        """(T, B, C) -> (B, H, T, D)."""
+        t, b, _ = x.shape
+        return x.view(t, b, self.num_heads, -1).permute(1, 2, 0, 3)
+
+    def forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                key_padding_mask: Optional[Tensor] = None, incremental_state=None, need_weights: bool = True,
+                static_kv: bool = False, attn_mask: Optional[Tensor] = None, before_softmax: bool = False,
+                need_head_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """query (T, B, C), key/value (S, B, C) -> ((T, B, C), None): the ops return no weights."""
+        if before_softmax:
+            raise ValueError(f"{self.method} attention has no pre-softmax scores (before_softmax=True)")
+        if attn_mask is not None and not self.causal:
+            raise ValueError(f"{self.method} attention supports key_padding_mask only, not an arbitrary "
+                             "attn_mask (a causal model builds a causal module instead)")
+        key = query if key is None else key
+        value = key if value is None else value
+        t, b, _ = query.shape
+        q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
+        if incremental_state is not None and self.causal:
+            state = self._get_input_buffer(incremental_state)
+            outs = []
+            for i in range(t):  # fairseq feeds one token per step; a longer prompt goes token by token
+                kpm = None if key_padding_mask is None else key_padding_mask[:, -t + i:][:, :1]
+                out_i, state = self.step(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], kpm, state)
+                outs.append(out_i)
+            self._set_input_buffer(incremental_state, state)
+            out = torch.cat(outs, 2)
+        else:
+            out = self.attend(q, k, v, key_padding_mask)
+        out = out.permute(2, 0, 1, 3).reshape(t, b, self.embed_dim)
+        return self.out_proj(out), None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """Full-sequence attention on (B, H, N, D) tensors."""
+        raise NotImplementedError
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], state: State):
+        """One decoding step: (B, H, 1, D) tensors and the buffered state -> (out, new state)."""
+        raise NotImplementedError(f"{self.method} attention has no incremental decoding")
+
+    # -- fairseq's incremental-state contract ---------------------------------------------------
+    def _get_input_buffer(self, incremental_state) -> State:
+        result = self.get_incremental_state(incremental_state, "attn_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(self, incremental_state, buffer: State):
+        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        """Beam search: every buffered tensor has the batch (times beam) on dim 0."""
+        buffer = self._get_input_buffer(incremental_state)
+        if buffer:
+            buffer = {name: (t.index_select(0, new_order) if t is not None else None) for name, t in buffer.items()}
+            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        return incremental_state
+
+
+def ops_causal_methods():
+    return [name for name, cls in ATTENTION_CLASSES.items() if cls.supports_causal]
+
+
+class SoftmaxAttention(AttentionBase):
+    """Exact scaled-dot-product attention; equals fairseq's MultiheadAttention with the same weights."""
+
+    method = "softmax"
+
+    def attend(self, q, k, v, key_padding_mask):
+        p = self.dropout if self.training else 0.0
+        return ops.softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=p)
+
+    def step(self, q, k, v, key_padding_mask, state):
+        if "prev_key" in state:
+            k, v = torch.cat([state["prev_key"], k], 2), torch.cat([state["prev_value"], v], 2)
+        b, s = k.shape[0], k.shape[2]
+        mask = key_padding_mask if key_padding_mask is not None else torch.zeros(b, 1, dtype=torch.bool,
+                                                                                     device=k.device)
+        if "prev_key_padding_mask" in state:
+            mask = torch.cat([state["prev_key_padding_mask"], mask], 1)
+        out = ops.softmax_attention(q, k, v, key_padding_mask=mask if mask.any() else None)
+        return out, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": mask}
+
+
+class LLNAttention(AttentionBase):
+    """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (§3.1 of SPEC)."""
+
+    method = "lln"
+
+    def __init__(self, embed_dim, num_heads, *, opts=None, causal=False, **kw):
+        super().__init__(embed_dim, num_heads, causal=causal, **kw)
+        opts = opts or {}
+        stats = opts.get("lln_stats", "auto")
+        self.chunk_size = opts.get("lln_chunk_size", 64)
+        self.matcher = MomentMatcher(
+            mode=opts.get("lln_moment_matching", "paper"), head_dim=self.head_dim, num_heads=num_heads,
+            per_head=opts.get("lln_stats_per_head", False),
+            stats=("ema" if causal else "batch") if stats == "auto" else stats,
+            ema_momentum=opts.get("lln_ema_momentum", 0.99), max_scale=opts.get("lln_max_scale", 8.0),
+            fixed_alpha=opts.get("lln_alpha"), fixed_beta=opts.get("lln_beta"),
+            constants_file=opts.get("lln_constants_file"))
+
+    def lln(self, q, k, v, key_padding_mask):
+        alpha, beta = self.matcher(q, k, key_padding_mask)
+        return ops.lln_attention(q, k, v, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
+                                 chunk_size=self.chunk_size)
+
+    def attend(self, q, k, v, key_padding_mask):
+        return self.lln(q, k, v, key_padding_mask)
+
+    def lln_step(self, q, k, v, key_padding_mask, state):
+        if "lln_s" not in state:
+            s, shift = lln_decode_init(q.shape[0], self.num_heads, self.head_dim, v.shape[-1],
+                                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                                       device=q.device)
+        else:
+            s, shift = state["lln_s"], state["lln_shift"]
+        alpha, beta = self.matcher.current(q)  # decoding uses the frozen (EMA) statistics
+        out, s, shift = lln_decode_step(q, k, v, alpha, beta, s, shift, key_padding_mask=key_padding_mask)
+        return out, {**state, "lln_s": s, "lln_shift": shift}
+
+    def step(self, q, k, v, key_padding_mask, state):
+        return self.lln_step(q, k, v, key_padding_mask, state)
+
+
+class LLNDiagAttention(LLNAttention):
+    """LLN+Diag (LLN §4.2): LLN mixed with softmax inside diagonal blocks."""
+
+    method = "lln_diag"
+
+    def __init__(self, embed_dim, num_heads, *, opts=None, **kw):
+        super().__init__(embed_dim, num_heads, opts=opts, **kw)
+        opts = opts or {}
+        self.block_size = opts.get("lln_diag_block_size", 64)
+        self.mix = opts.get("lln_diag_mix", "average")
+        shape = (num_heads, self.head_dim)
+        self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
+        self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
+
+    def attend(self, q, k, v, key_padding_mask):
+        lln = self.lln(q, k, v, key_padding_mask)
+        diag = ops.block_softmax_attention(q, k, v, block_size=self.block_size, causal=self.causal,
+                                           key_padding_mask=key_padding_mask)
+        return mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
+
+    def step(self, q, k, v, key_padding_mask, state):
+        pos = state.get("position")
+        pos = torch.zeros(q.shape[0], dtype=torch.long, device=q.device) if pos is None else pos
+        lln, state = self.lln_step(q, k, v, key_padding_mask, state)
+        start = bool((pos % self.block_size == 0).all())  # every row is at the same position
+        bk = k if start else torch.cat([state["block_key"], k], 2)
+        bv = v if start else torch.cat([state["block_value"], v], 2)
+        pad = torch.zeros(q.shape[0], 1, dtype=torch.bool, device=q.device) if key_padding_mask is None \
+            else key_padding_mask
+        bpad = pad if start else torch.cat([state["block_key_padding_mask"], pad], 1)
+        diag = ops.softmax_attention(q, bk, bv, key_padding_mask=bpad)
+        out = mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
+        return out, {**state, "block_key": bk, "block_value": bv, "block_key_padding_mask": bpad,
+                     "position": pos + 1}
+
+
+class KernelizedAttention(AttentionBase):
+    """Exact Gaussian-kernel attention (Skyformer §4.1); non-causal, quadratic."""
+
+    method = "kernelized"
+    supports_causal = False
+
+    def attend(self, q, k, v, key_padding_mask):
+        return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
+
+
+class SkyformerAttention(AttentionBase):
+    """Skyformer (Nyström-approximated Gaussian-kernel attention, §4.2); non-causal."""
+
+    method = "skyformer"
+    supports_causal = False
+
+    def __init__(self, embed_dim, num_heads, *, opts=None, **kw):
+        super().__init__(embed_dim, num_heads, **kw)
+        opts = opts or {}
+        self.num_landmarks = opts.get("skyformer_landmarks", 128)
+        self.landmark_mode = opts.get("skyformer_landmark_mode", "stratified")
+        self.exact_inverse = opts.get("skyformer_exact_inverse", False)
+
+    def attend(self, q, k, v, key_padding_mask):
+        return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
+                                       mode=self.landmark_mode, exact_inverse=self.exact_inverse,
+                                       training=self.training)
+
+
+class LAVOAttention(AttentionBase):
+    """LAVO (orthogonal memory + context dissection + relative bias, LAVO §3); self- or cross-attention."""
+
+    method = "lavo"
+
+    def __init__(self, embed_dim, num_heads, *, opts=None, cross: bool = False, **kw):
+        super().__init__(embed_dim, num_heads, **kw)
+        opts = opts or {}
+        self.window = opts.get("lavo_window", 64)
+        r = opts.get("lavo_bases") or self.head_dim
+        if r > self.head_dim:
+            raise ValueError(f"--lavo-bases must be <= head dim {self.head_dim}, got {r}")
+        self.cross = cross
+        self.bases = nn.Parameter(ops.lavo_init_bases(num_heads, r, self.head_dim),
+                                  requires_grad=not opts.get("lavo_freeze_bases", False))
+        self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
+
+    def attend(self, q, k, v, key_padding_mask):
+        if self.cross:
+            return ops.lavo_cross_attention(q, k, v, self.bases, key_padding_mask=key_padding_mask)
+        return ops.lavo_attention(q, k, v, self.bases, self.pos_bias, window=self.window, causal=self.causal,
+                                  key_padding_mask=key_padding_mask)
+
+    def step(self, q, k, v, key_padding_mask, state):
+        if not state:
+            state = ops.lavo_init_state(q.shape[0], self.num_heads, self.head_dim, self.bases.shape[1],
+                                        window=self.window, dtype=q.dtype, device=q.device)
+        return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window)
+
+
+ATTENTION_CLASSES = {cls.method: cls for cls in (SoftmaxAttention, LLNAttention, LLNDiagAttention,
+                                                 SkyformerAttention, KernelizedAttention, LAVOAttention)}
+
+
+def build_attention(method: str, embed_dim: int, num_heads: int, *, causal: bool, dropout: float = 0.0,
+                    opts: Optional[dict] = None, **kw) -> AttentionBase:
+    """The module for ``method`` (one of ATTENTION_CLASSES) with plugin options ``opts``."""
+    if method not in ATTENTION_CLASSES:
+        raise ValueError(f"attention type must be one of {', '.join(ATTENTION_CLASSES)}, got {method!r}")
+    cls = ATTENTION_CLASSES[method]
+    extra = {} if cls is SoftmaxAttention or cls is KernelizedAttention else {"opts": opts}
+    return cls(embed_dim, num_heads, causal=causal, dropout=dropout, **extra, **kw)
