@@ -25,7 +25,9 @@ def kernel_scale(q: Tensor) -> float:
 
 
 def gaussian_kernel(a: Tensor, b: Tensor) -> Tensor:
-    """kappa(a_i, b_j) = exp(a_i·b_j - |a_i|²/2 - |b_j|²/2) (Skyformer §4.1); a (...,N,D), b (...,M,D) -> (...,N,M)."""
+    """kappa(a_i, b_j) = exp(a_i·b_j - |a_i|²/2 - |b_j|²/2) (Skyformer §4.1).
+
+    a (...,N,D), b (...,M,D) -> (...,N,M)."""
     exponent = a @ b.transpose(-1, -2) - 0.5 * (a * a).sum(-1, keepdim=True) - 0.5 * (b * b).sum(-1)[..., None, :]
     return torch.exp(exponent.clamp_max(0.0))  # the exponent is -|a_i-b_j|²/2 <= 0: clamp rounding only
 

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv
 from .kernelized import _prepare, check_non_causal, gaussian_kernel, kernelized_attention_reference
 
 MODES = ("stratified", "uniform")
@@ -41,7 +41,8 @@ def _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causa
     return key_padding_mask
 
 
-def _pick_rows(valid: Tensor, count: int, generator: Optional[torch.Generator], training: bool) -> Tuple[Tensor, Tensor]:
+def _pick_rows(valid: Tensor, count: int, generator: Optional[torch.Generator],
+               training: bool) -> Tuple[Tensor, Tensor]:
     """Choose min(count, R) of the R rows per batch element among the valid ones, without replacement.
 
     valid (B,R) bool -> (idx (B,m) long, used (B,m) bool); a slot is unused when the element has fewer
