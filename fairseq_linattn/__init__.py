@@ -11,7 +11,8 @@ except ImportError:  # the ops and analysis layers work without fairseq
 if fairseq is not None:
     from . import models  # noqa: F401  (registers linattn_roberta, linattn_lm, linattn_transformer)
     from . import metrics_hook
-    from .checkpoint_compat import allow_fairseq_checkpoints
+    from .fairseq_compat import allow_fairseq_checkpoints, restore_numpy_compat_long
 
     allow_fairseq_checkpoints()
+    restore_numpy_compat_long()
     metrics_hook.install()

@@ -44,3 +44,34 @@ def make_lm_data(root: Path) -> Path:
     run(["fairseq-preprocess", "--only-source", "--trainpref", raw / "train.txt", "--validpref",
          raw / "valid.txt", "--destdir", out, "--workers", "1"])
     return out
+
+
+def make_classification_data(root: Path, lm_bin: Path) -> Path:
+    """A sentence_prediction set: label 1 when the line starts with 'the quick fox' (fairseq's GLUE layout)."""
+    raw = root / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, lines, seed in (("train", 400, 2), ("valid", 60, 3)):
+        write_corpus(raw / f"{split}.txt", lines, seed)
+        text = (raw / f"{split}.txt").read_text().splitlines()
+        (raw / f"{split}.label").write_text("".join(f"{int(t.startswith('the quick fox'))}\n" for t in text))
+    out = root / "bin"
+    run(["fairseq-preprocess", "--only-source", "--trainpref", raw / "train.txt", "--validpref", raw / "valid.txt",
+         "--destdir", out / "input0", "--srcdict", lm_bin / "dict.txt", "--workers", "1"])
+    run(["fairseq-preprocess", "--only-source", "--trainpref", raw / "train.label", "--validpref",
+         raw / "valid.label", "--destdir", out / "label", "--workers", "1"])
+    return out
+
+
+def make_translation_data(root: Path) -> Path:
+    """src -> tgt where the target is the source reversed, with a joined dictionary."""
+    raw = root / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, lines, seed in (("train", 800, 4), ("valid", 50, 5)):
+        write_corpus(raw / f"{split}.src", lines, seed)
+        src = (raw / f"{split}.src").read_text().splitlines()
+        (raw / f"{split}.tgt").write_text("".join(" ".join(reversed(s.split())) + "\n" for s in src))
+    out = root / "bin"
+    run(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
+         "--validpref", raw / "valid", "--testpref", raw / "valid", "--destdir", out, "--joined-dictionary",
+         "--workers", "1"])
+    return out

@@ -350,3 +350,15 @@ def test_distributed_ranks_share_alpha_beta_of_the_global_batch(tmp_path, gen):
                               expected["batch"][0])  # a rank alone would differ
     for result in results:
         torch.testing.assert_close(result, expected, rtol=1e-10, atol=0)
+
+
+def test_ema_activation_checkpointing_sees_one_buffer_and_folds_once(gen):
+    # fairseq's checkpoint_wrapper runs the forward without grad, then again (with grad) in backward
+    matcher = MomentMatcher("paper", head_dim=8, num_heads=4, stats="ema", ema_momentum=0.5).train()
+    q, k = qk(gen, scale_q=3.0)
+    with torch.no_grad():
+        first = matcher(q, k)
+    assert torch.equal(matcher.ema_var_q, torch.ones(1))  # the no-grad pass leaves the buffer alone
+    recomputed = matcher(q, k)
+    torch.testing.assert_close(recomputed, first, rtol=0, atol=0)
+    assert matcher.ema_var_q.item() == pytest.approx(0.5 + 0.5 * q.var(unbiased=False).item(), rel=1e-6)

@@ -5,6 +5,7 @@ checkpoint loads into any variant), reshapes fairseq's time-first (T, B, C) to t
 calls its op, and keeps an O(1)-or-O(window) incremental state for decoding. Causality is fixed at
 construction (decoder self-attention), never inferred from a mask.
 """
+import logging
 import math
 from typing import Dict, Optional, Tuple
 
@@ -20,6 +21,7 @@ from ..ops.lln_diag import mix_lln_diag
 from ..ops.moment_matching import MomentMatcher
 
 State = Dict[str, Optional[Tensor]]
+logger = logging.getLogger(__name__)
 
 
 @with_incremental_state
@@ -95,6 +97,24 @@ class AttentionBase(nn.Module):
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], state: State):
         """One decoding step: (B, H, 1, D) tensors and the buffered state -> (out, new state)."""
         raise NotImplementedError(f"{self.method} attention has no incremental decoding")
+
+    # -- loading a softmax checkpoint ("linearization": attention swap, then fine-tune) ----------
+    def upgrade_state_dict_named(self, state_dict: dict, name: str) -> None:
+        """Fill this method's own parameters/buffers missing from ``state_dict`` with their init values.
+
+        A stock fairseq MultiheadAttention checkpoint has only q/k/v/out_proj: loading it into any of
+        our methods (``--finetune-from-model``, ``--restore-file``) keeps those and starts LAVO's bases
+        and bias, LLN+Diag's mix weights and LLN's EMA statistics fresh. fairseq calls this before its
+        strict ``load_state_dict``.
+        """
+        prefix = name + "." if name else ""
+        own = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        if not any(key.startswith(prefix + "q_proj.") for key in state_dict):
+            return  # this module is not in the checkpoint at all (e.g. a head added later)
+        for key, value in own.items():
+            if not key.split(".")[0].endswith("_proj") and prefix + key not in state_dict:
+                logger.info("%s%s is not in the checkpoint: starting it from its initial value", prefix, key)
+                state_dict[prefix + key] = value.detach().clone()
 
     # -- fairseq's incremental-state contract ---------------------------------------------------
     def _get_input_buffer(self, incremental_state) -> State:

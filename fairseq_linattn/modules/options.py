@@ -8,6 +8,8 @@ from typing import List, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
+from ..fairseq_compat import bf16_without_xla
+
 METHODS = ("softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo")
 CAUSAL_METHODS = ("softmax", "lln", "lln_diag", "lavo")
 CROSS_METHODS = ("softmax", "lavo")
@@ -92,7 +94,12 @@ def layer_types(spec: str, num_layers: int, option: str, allowed=METHODS) -> Lis
 
 def validate_attention_options(args, *, encoder_layers: Optional[int] = None,
                                decoder_layers: Optional[int] = None) -> None:
-    """Check every plugin option; raise ValueError naming the option and the allowed values."""
+    """Check every plugin option; raise ValueError naming the option and the allowed values.
+
+    Called by every architecture function (fairseq runs those right after parsing), which also
+    makes ``--bf16`` usable without torch_xla (see fairseq_compat.bf16_without_xla).
+    """
+    bf16_without_xla(args)
     set_attention_defaults(args)
     if encoder_layers is not None:
         layer_types(args.encoder_attention_type, encoder_layers, "encoder_attention_type")
@@ -124,6 +131,8 @@ def validate_attention_options(args, *, encoder_layers: Optional[int] = None,
     if args.lln_moment_matching == "fit" and not args.lln_constants_file:
         raise ValueError("--lln-moment-matching fit needs --lln-constants-file (a JSON written by "
                          "`python -m fairseq_linattn.ops.moment_matching fit`)")
+    if args.lln_constants_file and args.lln_moment_matching != "fit":
+        raise ValueError("--lln-constants-file is read only with --lln-moment-matching fit")
     if not 0.0 <= args.lln_ema_momentum < 1.0:
         raise ValueError(f"--lln-ema-momentum must be in [0, 1), got {args.lln_ema_momentum!r}")
     if args.attention_stats_interval < 0:

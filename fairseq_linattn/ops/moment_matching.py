@@ -339,7 +339,6 @@ class MomentMatcher(nn.Module):
         shape = (1, -1, 1, 1)
         return alpha.to(compute_dtype(like)).view(shape), beta.to(compute_dtype(like)).view(shape)
 
-    @torch.no_grad()
     def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """q, k (B, H, N, D) -> alpha, beta of shape (1, H, 1, 1) per head or (1, 1, 1, 1) per layer.
 
@@ -356,10 +355,17 @@ class MomentMatcher(nn.Module):
         if key_padding_mask is not None and q.shape[2] != k.shape[2]:
             raise ValueError(f"key_padding_mask masks the tokens of q and k, which must then have the same "
                              f"length, got {q.shape[2]} and {k.shape[2]}")
+        trained_on = self.training and torch.is_grad_enabled()
+        with torch.no_grad():  # alpha, beta are constants for autograd
+            return self._statistics(q, k, key_padding_mask, trained_on)
+
+    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
         if self.stats == "batch":
             return self._match(*self._batch_variances(q, k, key_padding_mask), like=q)
         var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
-        if self.training:
+        # fold the batch in only on a forward that will be trained on: under activation checkpointing
+        # the first pass runs without grad and the recomputation in backward must see the same buffer
+        if trained_on:
             batch_q, batch_k = self._batch_variances(q, k, key_padding_mask)
             m = self.ema_momentum
             self.ema_var_q.copy_(m * self.ema_var_q.to(_F64) + (1 - m) * batch_q)

@@ -1,0 +1,117 @@
+"""fairseq workflows beyond plain training: fine-tuning, linearization, decoding, DDP, precision."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_data import USER_DIR, make_classification_data, make_lm_data, make_translation_data, run
+from test_fairseq_cli import TRAIN_COMMON, train_lm
+
+TINY_ROBERTA = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
+                "--encoder-attention-heads", "2"]
+
+
+@pytest.fixture(scope="module")
+def lm_data(tmp_path_factory):
+    return make_lm_data(tmp_path_factory.mktemp("lmdata"))
+
+
+def load_model_state(path):
+    return torch.load(path, weights_only=False)["model"]
+
+
+def test_softmax_roberta_checkpoint_linearizes_and_fine_tunes_on_sentence_prediction(lm_data, tmp_path):
+    """Stock roberta (softmax) -> linattn_roberta with LLN+Diag (learnable mix) via --finetune-from-model."""
+    run(["fairseq-train", lm_data, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "roberta_base",
+         *TINY_ROBERTA, "--tokens-per-sample", "64", "--batch-size", "8", "--save-dir", tmp_path / "stock",
+         *TRAIN_COMMON])
+    cls_data = make_classification_data(tmp_path / "cls", lm_data)
+    run(["fairseq-train", cls_data, "--task", "sentence_prediction", "--criterion", "sentence_prediction",
+         "--num-classes", "2", "--arch", "linattn_roberta_tiny", "--encoder-attention-type", "lln_diag",
+         "--lln-diag-mix", "learnable_scale", "--lln-diag-block-size", "16", "--max-positions", "64",
+         "--init-token", "0", "--separator-token", "2", "--batch-size", "8", "--save-dir", tmp_path / "lin",
+         "--finetune-from-model", tmp_path / "stock" / "checkpoint_last.pt", "--best-checkpoint-metric",
+         "accuracy", "--maximize-best-checkpoint-metric", *TRAIN_COMMON, "--max-update", "4", "--lr", "1e-9"])
+    stock = load_model_state(tmp_path / "stock" / "checkpoint_last.pt")
+    lin = load_model_state(tmp_path / "lin" / "checkpoint_last.pt")
+    key = "encoder.sentence_encoder.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(lin[key], stock[key], atol=1e-5, rtol=0)  # lr 1e-9: the swap kept the weights
+    assert "encoder.sentence_encoder.layers.1.self_attn.mix_p" in lin  # the new part started fresh
+    assert "classification_heads.sentence_classification_head.dense.weight" in lin
+
+
+def test_softmax_lm_checkpoint_linearizes_into_lavo_and_lln(lm_data, tmp_path):
+    train_lm(lm_data, tmp_path / "stock", "softmax")
+    proc = train_lm(lm_data, tmp_path / "lin", "lavo,lln", "--finetune-from-model",
+                    tmp_path / "stock" / "checkpoint_last.pt", "--lavo-token-positions")
+    assert "starting it from its initial value" in proc.stdout + proc.stderr
+    lin = load_model_state(tmp_path / "lin" / "checkpoint_last.pt")
+    assert "decoder.layers.0.self_attn.bases" in lin and "decoder.layers.1.self_attn.matcher.ema_var_q" in lin
+
+
+def test_lm_beam_search_and_sampling_through_fairseq_generators(lm_data, tmp_path):
+    train_lm(lm_data, tmp_path, "lln,lavo")
+    code = f"""
+import fairseq_linattn, torch
+from fairseq.models.transformer_lm import TransformerLanguageModel
+lm = TransformerLanguageModel.from_pretrained({str(tmp_path)!r}, 'checkpoint_last.pt', {str(lm_data)!r},
+                                              user_dir={USER_DIR!r})
+lm.eval()
+tokens = lm.task.source_dictionary.encode_line('the quick fox', add_if_not_exist=False)[:-1].long()
+hyps = lm.generate([tokens], beam=4, max_len_b=12, nbest=4)[0]
+assert len(hyps) == 4 and all(torch.isfinite(h['score']) for h in hyps)
+print('beams', [lm.task.source_dictionary.string(h['tokens']) for h in hyps])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    proc = run(["fairseq-interactive", lm_data, "--task", "language_modeling", "--path", tmp_path / "checkpoint_last.pt",
+                "--user-dir", USER_DIR, "--cpu", "--sampling", "--beam", "1", "--sampling-topk", "10",
+                "--max-len-b", "10", "--seed", "3"], input="the quick fox\nw1 w2\n")
+    hyps = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hyps) == 2
+    run(["fairseq-validate", lm_data, "--task", "language_modeling", "--path", tmp_path / "checkpoint_last.pt",
+         "--user-dir", USER_DIR, "--cpu", "--max-tokens", "2048", "--tokens-per-sample", "64"])
+
+
+def test_translation_with_lavo_cross_attention_trains_and_generates(tmp_path):
+    data = make_translation_data(tmp_path / "mt")
+    run(["fairseq-train", data, "--task", "translation", "--arch", "linattn_transformer_tiny",
+         "--encoder-attention-type", "lln", "--decoder-attention-type", "lavo", "--cross-attention-type", "lavo",
+         "--lavo-window", "8", "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "1024",
+         "--save-dir", tmp_path / "ckpt", *TRAIN_COMMON])
+    proc = run(["fairseq-generate", data, "--path", tmp_path / "ckpt" / "checkpoint_last.pt", "--user-dir", USER_DIR,
+                "--cpu", "--beam", "4", "--max-tokens", "1024", "--gen-subset", "valid", "--max-len-b", "20"])
+    hyps = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    translated = int((proc.stdout + proc.stderr).split("Translated ")[1].split()[0])
+    assert len(hyps) == translated >= 45  # every valid sentence the length filter kept got a hypothesis
+
+
+@pytest.mark.parametrize("extra", [["--checkpoint-activations"], ["--bf16"]])
+def test_lm_trains_with_activation_checkpointing_and_bf16(lm_data, tmp_path, extra):
+    proc = train_lm(lm_data, tmp_path, "lln,lln_diag", *extra)
+    log = proc.stdout + proc.stderr
+    assert "num_updates 6" in log.replace("num_updates=6", "num_updates 6").replace('"num_updates": "6"',
+                                                                                   "num_updates 6")
+    state = load_model_state(tmp_path / "checkpoint_last.pt")
+    assert all(torch.isfinite(t.float()).all() for t in state.values())
+
+
+def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, tmp_path):
+    # fixed alpha/beta: batch statistics (and EMA folds) are per micro-batch, so they differ legitimately
+    # between 2 ranks x 1 micro-batch and 1 process x 2 micro-batches
+    args = [str(lm_data), "--task", "language_modeling", "--arch", "linattn_lm_tiny", "--decoder-attention-type",
+            "lln,lavo", "--lln-alpha", "2", "--lln-beta", "2", "--lavo-window", "8", "--tokens-per-sample", "32",
+            "--batch-size", "4", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4",
+            "--dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1", "--no-progress-bar"]
+    two = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--", *args,
+                          "--save-dir", str(tmp_path / "two")], capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "distributed init (rank 1)" in two.stderr + two.stdout or "world_size: 2" in two.stderr
+    run(["fairseq-train", *args, "--cpu", "--save-dir", tmp_path / "one", "--update-freq", "2"])
+    a, b = load_model_state(tmp_path / "two" / "checkpoint_last.pt"), load_model_state(tmp_path / "one" / "checkpoint_last.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        if ".matcher.ema_var_" in key:  # statistics folded per micro-batch (1 per rank vs 2 per update)
+            continue
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
