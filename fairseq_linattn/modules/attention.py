@@ -66,7 +66,7 @@ class AttentionBase(nn.Module):
                 key_padding_mask: Optional[Tensor] = None, incremental_state=None, need_weights: bool = True,
                 static_kv: bool = False, attn_mask: Optional[Tensor] = None, before_softmax: bool = False,
                 need_head_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (T, B, C), key/value (S, B, C) -> ((T, B, C), None): the ops return no weights."""
+        """query (T, B, C), key/value (S, B, C) -> ((T, B, C), weights or None), as fairseq's MHA."""
         if before_softmax:
             raise ValueError(f"{self.method} attention has no pre-softmax scores (before_softmax=True)")
         if attn_mask is not None and not self.causal:
@@ -88,11 +88,21 @@ class AttentionBase(nn.Module):
         else:
             out = self.attend(q, k, v, key_padding_mask)
         out = out.permute(2, 0, 1, 3).reshape(t, b, self.embed_dim)
-        return self.out_proj(out), None
+        weights = None
+        if (need_weights or need_head_weights) and incremental_state is None:
+            weights = self.attention_weights(q, k, key_padding_mask)  # (B, H, T, S) where the method has them
+            if weights is not None:  # fairseq's layout: (H, B, T, S) per head, else the mean over heads
+                weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)
+        return self.out_proj(out), weights
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """Full-sequence attention on (B, H, N, D) tensors."""
         raise NotImplementedError
+
+    def attention_weights(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """The (B, H, T, S) attention matrix for ``need_weights``; None for methods that never form it
+        (``fairseq_linattn.analysis`` materialises theirs for analysis)."""
+        return None
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], state: State):
         """One decoding step: (B, H, 1, D) tensors and the buffered state -> (out, new state)."""
@@ -145,6 +155,9 @@ class SoftmaxAttention(AttentionBase):
     def attend(self, q, k, v, key_padding_mask):
         p = self.dropout if self.training else 0.0
         return ops.softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=p)
+
+    def attention_weights(self, q, k, key_padding_mask):
+        return ops.softmax_attention_weights(q, k, causal=self.causal, key_padding_mask=key_padding_mask)
 
     def step(self, q, k, v, key_padding_mask, state):
         if "prev_key" in state:

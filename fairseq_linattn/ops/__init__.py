@@ -2,7 +2,7 @@
 
 Each fast op has a ``*_reference`` twin that materialises the N×N matrix from the paper's formula.
 """
-from .softmax import softmax_attention, softmax_attention_reference
+from .softmax import softmax_attention, softmax_attention_reference, softmax_attention_weights
 from .block_softmax import block_softmax_attention, block_softmax_attention_reference
 from .lln import lln_attention, lln_attention_reference
 from .lln_diag import lln_diag_attention, lln_diag_attention_reference

@@ -40,15 +40,19 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     return out.masked_fill(~has_key, 0.0)
 
 
+def softmax_attention_weights(q: Tensor, k: Tensor, *, causal: bool = False,
+                              key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """The materialised matrix P = softmax(q k^T / sqrt(D)) (B,H,N,S); rows with no allowed key are 0."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    allowed = _allowed(q, k, causal, key_padding_mask)
+    if allowed is None:
+        return torch.softmax(scores, -1)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+
+
 def softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """Materialised softmax(q k^T / sqrt(D)) v (Vaswani et al. eq. 1), in q's dtype."""
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    allowed = _allowed(q, k, causal, key_padding_mask)
-    if allowed is None:
-        return torch.softmax(scores, -1) @ v
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)  # rows with no allowed key -> 0
-    return p @ v
+    return softmax_attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask) @ v
