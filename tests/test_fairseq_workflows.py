@@ -39,6 +39,16 @@ def test_softmax_roberta_checkpoint_linearizes_and_fine_tunes_on_sentence_predic
     torch.testing.assert_close(lin[key], stock[key], atol=1e-5, rtol=0)  # lr 1e-9: the swap kept the weights
     assert "encoder.sentence_encoder.layers.1.self_attn.mix_p" in lin  # the new part started fresh
     assert "classification_heads.sentence_classification_head.dense.weight" in lin
+    code = f"""
+import fairseq_linattn, torch
+from fairseq.models.roberta import RobertaModel
+m = RobertaModel.from_pretrained({str(tmp_path / 'lin')!r}, checkpoint_file='checkpoint_last.pt',
+                                 data_name_or_path={str(cls_data)!r}, user_dir={USER_DIR!r}, bpe=None).eval()
+logp = m.predict('sentence_classification_head', torch.tensor([[0, 5, 6, 7, 2]]))
+assert logp.shape == (1, 2) and torch.allclose(logp.exp().sum(), torch.tensor(1.0))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_softmax_lm_checkpoint_linearizes_into_lavo_and_lln(lm_data, tmp_path):
