@@ -20,7 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+# (this machine's pip config names index folders that may not exist: drop those warnings)
+quiet() { grep -v "^WARNING: Location '.*' is ignored" >&2 || true; }
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(quiet); }
 
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC"
@@ -33,7 +35,7 @@ if ! "$VENV/bin/python" -c "import fairseq" 2>/dev/null; then
   # fairseq declares torchaudio (a multi-GB CUDA torch): install it without deps, list its needs ourselves.
   # fairseq's setup.py builds CUDA kernels whenever CUDA_HOME is *present* (even empty): remove it.
   env -u CUDA_HOME "$VENV/bin/python" -m pip --disable-pip-version-check install -q --no-deps \
-    --no-build-isolation "$FAIRSEQ_SPEC"
+    --no-build-isolation "$FAIRSEQ_SPEC" 2> >(quiet)
 fi
 
 echo "[setup] installing fairseq_linattn and its dependencies"
