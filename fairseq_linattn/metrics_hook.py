@@ -34,7 +34,9 @@ def attention_stats(model) -> Dict[str, float]:
 
 
 def _add_stats(model, logging_output: dict) -> None:
-    stats = attention_stats(model)
+    from .analysis import collect_attention_stats  # the --attention-stats-interval recorder
+
+    stats = {**attention_stats(model), **collect_attention_stats(model)}
     if stats:
         for name, value in stats.items():
             logging_output[f"{PREFIX}{name}_sum"] = value

@@ -212,3 +212,17 @@ def test_attention_matrix_rejects_bad_arguments():
         attention_matrix("softmax", q, q, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match="same length"):
         attention_matrix("softmax", q, q[:, :, :5], causal=True)
+
+
+def test_relative_log_moments_put_causal_rows_on_one_scale():
+    # a causal uniform matrix: row i is 1/(i+1) over i+1 keys; ln(n_i P_ij) = 0 everywhere
+    N = 12
+    P = torch.ones(N, N, dtype=F64).tril()
+    P = P / P.sum(-1, keepdim=True)
+    mean, var = log_moments(P, relative=True)
+    assert mean.item() == pytest.approx(0.0, abs=1e-12) and var.item() == pytest.approx(0.0, abs=1e-12)
+    assert log_moments(P)[1].item() > 0.2  # raw ln P mixes the rows' levels -ln(i+1)
+    full = torch.randn(3, N, N, generator=_gen(9), dtype=F64).softmax(-1)
+    raw, rel = log_moments(full), log_moments(full, relative=True)
+    torch.testing.assert_close(rel[0], raw[0] + math.log(N))
+    torch.testing.assert_close(rel[1], raw[1])

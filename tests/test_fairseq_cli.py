@@ -104,3 +104,16 @@ def test_moment_matching_values_reach_tensorboard(lm_data, tmp_path):
     valid = EventAccumulator(str(tmp_path / "tb" / "valid"))
     valid.Reload()
     assert "lln_alpha" in valid.Tags()["scalars"]
+
+
+def test_attention_stats_interval_logs_entropy_and_spectral_gap(lm_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train_lm(lm_data, tmp_path / "ckpt", "softmax,lln", "--tensorboard-logdir", tmp_path / "tb",
+             "--attention-stats-interval", "2")
+    acc = EventAccumulator(str(tmp_path / "tb" / "train_inner"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"attn_dec0_entropy", "attn_dec1_entropy", "attn_dec0_spectral_gap", "attn_dec1_alpha"} <= tags
+    steps = [e.step for e in acc.Scalars("attn_dec0_entropy")]
+    assert steps == [1, 3, 5]  # recorded on updates 0, 2, 4 (logged as the step after)

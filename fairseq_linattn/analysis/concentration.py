@@ -73,17 +73,22 @@ def sparsity(P: Tensor) -> Tensor:
     return (l1 / l2).mean(-1)
 
 
-def log_moments(P: Tensor) -> Tuple[Tensor, Tensor]:
+def log_moments(P: Tensor, *, relative: bool = False) -> Tuple[Tensor, Tensor]:
     """Mean and (population) variance of ln P over the positive entries of each (R, N) matrix.
 
     Exact zeros (causal or padding masks) are left out. For softmax attention with Gaussian scores of
     variance sigma^2, ln P is about N(-ln N - sigma^2/2, sigma^2) (LLN Prop. 3.1).
+    ``relative``: measure ln(n_i P_ij) instead, n_i the number of positive entries of row i (ln P
+    relative to a uniform row over the keys it sees), so that rows seeing different numbers of keys
+    (causal attention) are comparable; for a matrix without zeros only the mean moves, by ln N.
     P: (..., R, N) -> (mean (...), var (...)).
     """
     P = _check_matrix("P", P)
     positive = P > 0
     count = positive.sum((-2, -1)).to(P.dtype)
     logp = torch.where(positive, P, torch.ones_like(P)).log()  # log(1) = 0 adds nothing to the sums
+    if relative:
+        logp = torch.where(positive, logp + positive.sum(-1, keepdim=True).to(P.dtype).log(), logp)
     mean = logp.sum((-2, -1)) / count
     centred = torch.where(positive, logp - mean[..., None, None], torch.zeros_like(P))
     return mean, centred.square().sum((-2, -1)) / count
@@ -132,7 +137,7 @@ def lln_temperature(alpha, beta, sigma_q, sigma_k, a, b) -> Tensor:
     return sigma2.rsqrt()
 
 
-def _select_rows(rows: Union[None, int, Tensor], N: int, device: torch.device) -> Tensor:
+def select_rows(rows: Union[None, int, Tensor], N: int, device: torch.device) -> Tensor:
     """Row indices (R,) from None (all), an int (that many evenly spaced rows) or a LongTensor."""
     if rows is None:
         return torch.arange(N, device=device)
@@ -172,7 +177,7 @@ def attention_matrix(kind: str, q: Tensor, k: Tensor, *, alpha=None, beta=None, 
     B, H, N, D = q.shape
     S = k.shape[2]
     dtype = _measure_dtype(q)
-    index = _select_rows(rows, N, q.device)
+    index = select_rows(rows, N, q.device)
     q, k = q[:, :, index].to(dtype), k.to(dtype)
 
     if kind == "softmax":

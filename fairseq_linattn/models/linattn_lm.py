@@ -5,6 +5,7 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
                                            base_lm_architecture, transformer_lm_gpt, transformer_lm_gpt2_small)
 
+from ..analysis import install_attention_stats
 from ..modules.layers import LinAttnTransformerDecoder
 from ..modules.options import AttentionOptions, validate_attention_options
 
@@ -32,7 +33,9 @@ class LinAttnLanguageModel(TransformerLanguageModel):
         stock = super().build_model(args, task)
         decoder = LinAttnTransformerDecoder(args, task.target_dictionary, stock.decoder.embed_tokens,
                                             no_encoder_attn=True)
-        return cls(decoder)
+        model = cls(decoder)
+        install_attention_stats(model, args.attention_stats_interval)
+        return model
 
 
 def _validate(args):

@@ -5,6 +5,7 @@ from fairseq.models.roberta.model import (RobertaEncoder, RobertaModel, base_arc
                                           roberta_base_architecture, roberta_large_architecture)
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
+from ..analysis import install_attention_stats
 from ..modules.layers import LinAttnTransformerEncoder
 from ..modules.options import AttentionOptions, validate_attention_options
 
@@ -30,7 +31,9 @@ class LinAttnRobertaModel(RobertaModel):
         _validate(args)
         if not hasattr(args, "max_positions"):
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
-        return cls(args, LinAttnRobertaEncoder(args, task.source_dictionary))
+        model = cls(args, LinAttnRobertaEncoder(args, task.source_dictionary))
+        install_attention_stats(model, args.attention_stats_interval)
+        return model
 
 
 def _validate(args):

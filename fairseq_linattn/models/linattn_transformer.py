@@ -5,6 +5,7 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer.transformer_legacy import base_architecture, tiny_architecture
 
+from ..analysis import install_attention_stats
 from ..modules.layers import LinAttnTransformerDecoder, LinAttnTransformerEncoder
 from ..modules.options import AttentionOptions, validate_attention_options
 
@@ -15,6 +16,12 @@ class LinAttnTransformerModel(TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         gen_parser_from_dataclass(parser, AttentionOptions())
+
+    @classmethod
+    def build_model(cls, args, task):
+        model = super().build_model(args, task)
+        install_attention_stats(model, getattr(args, "attention_stats_interval", 0))
+        return model
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
