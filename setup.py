@@ -38,6 +38,7 @@ setup(
         "datasets",
         "tensorboard",
         "matplotlib",
+        "pyyaml",  # configs/*.yaml (fairseq_linattn.recipes.config)
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Perplexity of a PG-19 LM at 1x, 1.5x and 2x its training context (the extrapolation table).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
+
+usage() {
+  cat <<USAGE
+Usage: scripts/eval_pg19.sh CHECKPOINT [fairseq-eval-lm options...]
+
+Run fairseq-eval-lm on CHECKPOINT (from scripts/train_pg19.sh) at each context length of
+configs/pg19_lm.yaml eval.contexts (8192, 12288, 16384; SAMPLE=1: 128, 192, 256) in
+non-overlapping blocks (--context-window 0), overriding the model's tokens_per_sample and
+max_target_positions. Prints the table (context, loss in bits per token, token-level perplexity)
+and writes it to OUT/extrapolation.tsv [OUT: the checkpoint's directory].
+Environment: CONTEXTS ["the config's"], SUBSET [test], CONTEXT_WINDOW [0], DEVICE, SAMPLE, FP16, DATA
+(as for the training scripts).
+USAGE
+}
+case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
+CHECKPOINT="$1"; shift
+[ -f "$CHECKPOINT" ] || die "no checkpoint $CHECKPOINT"
+OUT="${OUT:-$(dirname "$CHECKPOINT")}"
+DATA_DIR="$(data_dir pg19_lm.yaml)"
+read -r -a LENGTHS <<< "${CONTEXTS:-$(config_get pg19_lm.yaml eval.contexts)}"
+SUBSET="${SUBSET:-$(config_get pg19_lm.yaml eval.gen-subset)}"
+CONTEXT_WINDOW="${CONTEXT_WINDOW:-$(config_get pg19_lm.yaml eval.context-window)}"
+device=(); [ "$DEVICE" = cpu ] && device=(--cpu --num-workers 0)
+[ "$DEVICE" != cpu ] && [ "$FP16" = 1 ] && device+=(--fp16)
+mkdir -p "$OUT"
+table="$OUT/extrapolation.tsv"
+printf 'context\tratio\tloss_bits\tppl\n' > "$table.partial"
+for L in "${LENGTHS[@]}"; do
+  echo "[recipe] fairseq-eval-lm at context $L" >&2
+  log="$("$BIN/fairseq-eval-lm" "$DATA_DIR" --path "$CHECKPOINT" --user-dir "$USER_DIR" --gen-subset "$SUBSET" \
+    --tokens-per-sample "$L" --max-tokens "$L" --context-window "$CONTEXT_WINDOW" \
+    --model-overrides "{'tokens_per_sample': $L, 'max_target_positions': $L}" "${device[@]}" "$@" 2>&1)" \
+    || { echo "$log" | tail -20 >&2; die "fairseq-eval-lm failed at context $L"; }
+  result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: [0-9.e+-]*' | tail -1)"
+  [ -n "$result" ] || { echo "$log" | tail -20 >&2; die "no perplexity in fairseq-eval-lm's output"; }
+  loss="$(echo "$result" | sed 's/Loss (base 2): \([^,]*\),.*/\1/')"
+  ppl="$(echo "$result" | sed 's/.*Perplexity: //')"
+  ratio="$(awk -v l="$L" -v b="${LENGTHS[0]}" 'BEGIN{printf "%.2g", l / b}')"
+  printf '%s\t%s\t%s\t%s\n' "$L" "$ratio" "$loss" "$ppl" >> "$table.partial"
+done
+mv "$table.partial" "$table"
+column -t -s $'\t' "$table" 2>/dev/null || cat "$table"
+echo "[recipe] table: $table"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Fine-tune one pretrained checkpoint on every GLUE task of configs/glue.yaml; print a summary table.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
+
+usage() {
+  cat <<USAGE
+Usage: scripts/glue_all.sh ATTN CHECKPOINT [fairseq-train options...]
+
+Run scripts/finetune_glue.sh for MNLI, QNLI, QQP and SST-2 (SAMPLE=1: the two KJV sample tasks) one
+after the other, then print the best validation accuracies as a row like LLN Table 1 (MNLI as
+matched/mismatched) and write it to OUT_ROOT/summary_ATTN.md.
+Runs go to OUT_ROOT/TASK/ATTN [OUT_ROOT: checkpoints/glue]; a finished task is not run again
+(remove its directory to redo it). Other knobs as for scripts/finetune_glue.sh:
+
+$KNOBS_HELP
+USAGE
+}
+case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
+[ $# -ge 2 ] || { usage >&2; exit 2; }
+ATTN="$1"; CHECKPOINT="$2"; shift 2
+check_attention "$ATTN"
+OUT_ROOT="${OUT_ROOT:-$ROOT/checkpoints/glue}"
+read -r -a TASKS <<< "$(config_get glue.yaml tasks)"
+runs=()
+for TASK in "${TASKS[@]}"; do
+  run="$OUT_ROOT/$TASK/$ATTN"
+  runs+=("$run")
+  if [ -f "$run/finished" ]; then echo "[recipe] $TASK: finished already ($run)"; continue; fi
+  OUT="$run" TB="${TB:+$TB/$TASK}" bash "$ROOT/scripts/finetune_glue.sh" "$TASK" "$ATTN" "$CHECKPOINT" "$@"
+  touch "$run/finished"
+done
+summary="$("$PY" "$ROOT/fairseq_linattn/recipes/report.py" glue --attention "$ATTN" "${runs[@]}")"
+echo "$summary" | tee "$OUT_ROOT/summary_$ATTN.md"

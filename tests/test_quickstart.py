@@ -1,0 +1,87 @@
+"""The CPU quick-start (FAST=1) end to end: every recipe script on the shipped samples, then the report."""
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENCODERS = ("softmax", "lln", "lln_diag")
+DECODERS = ("softmax", "lln", "lavo")
+
+
+def run(cmd, env, timeout=900):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quickstart")
+    env = {**os.environ, "FAST": "1", "RUN": str(root / "run"), "SAMPLE_DATA": str(root / "data"),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = run(["bash", "scripts/quickstart.sh"], env)
+    return root, env, proc
+
+
+def table_rows(report: str, heading: str):
+    """{first cell: other cells} of the markdown table after ``heading``."""
+    section = report.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_fast_quickstart_reports_losses_accuracies_and_perplexities_per_attention(quickstart):
+    root, _, proc = quickstart
+    run_dir = root / "run"
+    report = (run_dir / "REPORT.md").read_text()
+    assert f"report: {run_dir / 'REPORT.md'}" in proc.stdout  # it says where the report is
+    encoder = table_rows(report, "## Bidirectional encoder")
+    decoder = table_rows(report, "## Causal LM")
+    assert set(encoder) == set(ENCODERS) and set(decoder) == set(DECODERS)
+    for cells in [*encoder.values(), *decoder.values()]:
+        values = [float(c) for c in cells]
+        assert all(math.isfinite(v) and v > 0 for v in values)
+    assert all(0 <= float(cells[3]) <= 100 for cells in encoder.values())  # accuracy in %
+    assert re.search(r"test ppl @128 \| test ppl @192 \| test ppl @256", report)
+    for png in ("loss_curves.png", "ppl_vs_context.png"):
+        data = (run_dir / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_every_quickstart_run_leaves_checkpoints_and_tensorboard_logs(quickstart):
+    root, _, _ = quickstart
+    runs = [root / "run" / stage / name for stage, names in
+            (("pretrain", ENCODERS), ("finetune", ENCODERS), ("lm", DECODERS)) for name in names]
+    for run_dir in runs:
+        assert (run_dir / "checkpoint_last.pt").is_file()
+        assert list((run_dir / "tb" / "train_inner").glob("events.out.tfevents.*")), run_dir
+    for name in DECODERS:
+        rows = (root / "run" / "lm" / name / "extrapolation.tsv").read_text().splitlines()
+        assert [row.split("\t")[0] for row in rows] == ["context", "128", "192", "256"]
+
+
+def test_prepared_samples_are_not_prepared_twice(quickstart):
+    root, env, _ = quickstart
+    marker = root / "data" / "pg19" / "bin" / ".done"
+    before = marker.stat().st_mtime_ns
+    proc = run([env.get("PYTHON", str(ROOT / ".venv" / "bin" / "python")), "-m",
+                "fairseq_linattn.recipes.prepare_samples", "--out", str(root / "data")], env)
+    assert proc.stdout.count("done already") == 14 and marker.stat().st_mtime_ns == before
+
+
+def test_glue_all_fine_tunes_every_sample_task_and_summarises_them(quickstart):
+    root, env, _ = quickstart
+    env = {**env, "DEVICE": "cpu", "SAMPLE": "1", "OUT_ROOT": str(root / "glue")}
+    checkpoint = root / "run" / "pretrain" / "lln_diag" / "checkpoint_last.pt"
+    proc = run(["bash", "scripts/glue_all.sh", "lln_diag", str(checkpoint)], env)
+    header, _, row = proc.stdout.strip().splitlines()[-3:]
+    assert header == "| attention | KJV testament | KJV next verse |"
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "lln_diag" and all(0 <= float(c) <= 100 for c in cells[1:])
+    assert (root / "glue" / "summary_lln_diag.md").read_text().strip().splitlines()[-1] == row
+    again = run(["bash", "scripts/glue_all.sh", "lln_diag", str(checkpoint)], env)
+    assert again.stdout.count("finished already") == 2 and again.stdout.strip().splitlines()[-1] == row
