@@ -19,7 +19,7 @@ from typing import Iterable, List, Optional
 from tqdm import tqdm
 
 from . import bpe
-from .binarize import binarize
+from .binarize import tokenize_and_binarize
 from .sources import SourceError, fingerprint, load_splits, run_cli
 from .steps import run_step
 
@@ -93,19 +93,7 @@ def main(argv=None) -> None:
 
     raw_params = {"source": fingerprint(args.source), "max_books": args.max_books}
     run_step("raw text", out / "raw", raw_params, lambda tmp: write_raw(args, tmp))
-    assets = bpe.prepare_tokenizer(args, out / "raw" / "pg19.train.txt", out, raw_params)
-    spec = bpe.tokenizer_spec(args.bpe, assets)
-    bpe_params = {"tokenizer": bpe.describe(assets), "input": raw_params}
-
-    def encode(tmp: Path) -> None:
-        for split in HUB_SPLITS:
-            bpe.encode_file(spec, out / "raw" / f"pg19.{split}.txt", tmp / f"pg19.{split}.bpe", args.workers)
-
-    run_step("bpe", out / "bpe", bpe_params, encode)
-    run_step("binarize", out / "bin", {"input": bpe_params},
-             lambda tmp: binarize(tmp, out / "bpe" / "pg19.train.bpe", [out / "bpe" / "pg19.valid.bpe"],
-                                  out / "bpe" / "pg19.test.bpe", srcdict=assets["dict"], workers=args.workers))
-    print(f"[prepare] PG-19 ready: {out / 'bin'}")
+    tokenize_and_binarize(args, out, raw_params, "pg19.{split}.txt", "PG-19")
 
 
 if __name__ == "__main__":

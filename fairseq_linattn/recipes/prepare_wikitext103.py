@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 from tqdm import tqdm
 
 from . import bpe
-from .binarize import binarize
+from .binarize import tokenize_and_binarize
 from .sources import fingerprint, load_splits, run_cli
 from .steps import run_step, write_lines
 
@@ -65,19 +65,7 @@ def main(argv=None) -> None:
     raw_params = {"source": fingerprint(args.source), "config": args.config}
     run_step("raw text", out / "raw", raw_params,
              lambda tmp: write_raw(load_rows(args.source, args.config, args.cache_dir), tmp))
-    assets = bpe.prepare_tokenizer(args, out / "raw" / "wiki.train.raw", out, raw_params)
-    spec = bpe.tokenizer_spec(args.bpe, assets)
-    bpe_params = {"tokenizer": bpe.describe(assets), "input": raw_params}
-
-    def encode(tmp: Path) -> None:
-        for split in HUB_SPLITS:
-            bpe.encode_file(spec, out / "raw" / f"wiki.{split}.raw", tmp / f"wiki.{split}.bpe", args.workers)
-
-    run_step("bpe", out / "bpe", bpe_params, encode)
-    run_step("binarize", out / "bin", {"input": bpe_params},
-             lambda tmp: binarize(tmp, out / "bpe" / "wiki.train.bpe", [out / "bpe" / "wiki.valid.bpe"],
-                                  out / "bpe" / "wiki.test.bpe", srcdict=assets["dict"], workers=args.workers))
-    print(f"[prepare] WikiText-103 ready: {out / 'bin'}")
+    tokenize_and_binarize(args, out, raw_params, "wiki.{split}.raw", "WikiText-103")
 
 
 if __name__ == "__main__":
