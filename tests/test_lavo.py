@@ -149,6 +149,14 @@ def test_lavo_gradcheck_float64(causal):
         lambda *a: lavo_attention(*a, window=w, causal=causal, key_padding_mask=mask), args)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("w,n", [(3, 7), (4, 12), (3, 12), (4, 9)])
+def test_lavo_gradcheck_float64_without_padding(causal, w, n):
+    """No padding mask: the causal path takes the hand-written windowed backward."""
+    args = [t.requires_grad_() for t in _inputs(n, w, 4, b=2, h=2, d=4, seed=7)]
+    assert torch.autograd.gradcheck(lambda *a: lavo_attention(*a, window=w, causal=causal), args)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_lavo_half_precision_is_finite_and_close_to_fp32(dtype, tol, causal):

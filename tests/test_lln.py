@@ -109,6 +109,14 @@ def test_lln_gradcheck(gen, causal):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+@pytest.mark.parametrize("n,chunk_size", [(37, 4), (16, 4), (5, 8)])
+def test_causal_lln_gradcheck_without_padding_over_many_chunks(gen, n, chunk_size):
+    """Many chunks exercise every level of the state scan in the forward and the backward."""
+    q, k, v = (t.requires_grad_() for t in qkv(gen, b=2, h=1, n=n, d=3))
+    fn = lambda q, k, v: ops.lln_attention(q, k, v, 1.1, 1.3, causal=True, chunk_size=chunk_size)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
 def test_lln_incremental_decoding_equals_full_causal_forward(gen):
     q, k, v = (t.float() for t in qkv(gen, n=77, d=16, dv=8, scale=2.0))
     full = ops.lln_attention(q, k, v, 1.7, 1.7, causal=True, chunk_size=16)

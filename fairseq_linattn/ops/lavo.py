@@ -79,14 +79,14 @@ def _masked_softmax(scores: Tensor, allowed: Tensor) -> Tensor:
     return e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
 
 
-def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float) -> Tensor:
-    """softmax(q Xtil^T * scale) Xtil with Xtil_i = mean_i * B_i (LAVO eq. 4), never forming Xtil.
+def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_scale: float = 1.0) -> Tensor:
+    """softmax(q Xtil^T * scale) Xtil * out_scale with Xtil_i = mean_i * B_i (LAVO eq. 4), never forming Xtil.
 
     qb = q B^T (B,H,...,r), mean (broadcastable to qb), bases (H,r,D) -> (B,H,...,D).
-    Uses q·Xtil_i = mean_i (q·B_i) and sum_i p_i Xtil_i = (p * mean) B.
+    Uses q·Xtil_i = mean_i (q·B_i) and sum_i p_i Xtil_i = (p * mean) B; a zero mean gives 0.
     """
-    p = torch.softmax(qb * mean * scale, -1)
-    w = (p * mean).flatten(2, -2)  # (B,H,M,r)
+    p = torch.softmax(qb * (mean * scale), -1)
+    w = (p * (mean * out_scale)).flatten(2, -2)  # (B,H,M,r)
     out = torch.einsum("bhmr,hrd->bhmd", w, bases)
     return out.view(*qb.shape[:-1], bases.shape[-1])
 
@@ -101,23 +101,82 @@ def _windows(x: Tensor, w: int, causal: bool) -> Tensor:
     return torch.cat([prev, xw], dim=3)
 
 
-def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: Tensor, w: int,
+class _CausalWindowAttention(torch.autograd.Function):
+    """softmax(q k^T + bias) v for each window of w queries against the previous and its own window.
+
+    q, k, v (B,H,nw*w,D) contiguous, q already scaled; bias (H,w,2w) with -inf outside the band.
+    Windows are flattened to F = B*H*nw (w, D) blocks, so "previous window" is the previous block:
+    both products are batched matmuls on views of k and v (no copied key windows); the blocks that
+    cross a head boundary (every head's window 0) are masked. Saves only the probabilities.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        b, h, n, d = q.shape
+        w = bias.shape[1]
+        qf, kf, vf = (t.view(-1, w, d) for t in (q, k, v))
+        scores = torch.empty(qf.shape[0], w, 2 * w, dtype=q.dtype, device=q.device)
+        torch.bmm(qf, kf.transpose(1, 2), out=scores[:, :, w:])
+        torch.bmm(qf[1:], kf[:-1].transpose(1, 2), out=scores[1:, :, :w])
+        per_head = scores.view(b, h, n // w, w, 2 * w)
+        per_head.add_(bias[None, :, None])
+        per_head[:, :, 0, :, :w] = float("-inf")  # window 0 has no previous window
+        p = torch.softmax(scores, -1)
+        x = torch.bmm(p[:, :, w:], vf)
+        x[1:].baddbmm_(p[1:, :, :w], vf[:-1])
+        ctx.save_for_backward(qf, kf, vf, p)
+        ctx.shape = (b, h, n, d)
+        return x.view(b, h, n, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qf, kf, vf, p = ctx.saved_tensors
+        b, h, n, d = ctx.shape
+        w = p.shape[1]
+        g = grad.contiguous().view(-1, w, d)
+        dp = torch.empty_like(p)
+        torch.bmm(g, vf.transpose(1, 2), out=dp[:, :, w:])
+        torch.bmm(g[1:], vf[:-1].transpose(1, 2), out=dp[1:, :, :w])
+        dp[0, :, :w] = 0  # never computed; its probabilities are 0
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+        dq = torch.bmm(ds[:, :, w:], kf)
+        dq[1:].baddbmm_(ds[1:, :, :w], kf[:-1])
+        dk = torch.bmm(ds[:, :, w:].transpose(1, 2), qf)
+        dk[:-1].baddbmm_(ds[1:, :, :w].transpose(1, 2), qf[1:])
+        dv = torch.bmm(p[:, :, w:].transpose(1, 2), g)
+        dv[:-1].baddbmm_(p[1:, :, :w].transpose(1, 2), g[1:])
+        dbias = ds.view(b, h, n // w, w, 2 * w).sum((0, 2))
+        return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), dbias
+
+
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: Optional[Tensor], w: int,
                      causal: bool) -> Tensor:
-    """F_local (LAVO §3.2-3.3) on (B,H,nw*w,D) inputs; valid (B,nw*w) marks real, non-padded keys."""
+    """F_local (LAVO §3.2-3.3) on (B,H,nw*w,D) inputs, q already scaled by 1/sqrt(D).
+
+    valid (B,nw*w) marks the real keys when some are padding (a query may then have no key at all:
+    its output is 0); None when every key a real query can see is real.
+    """
     b, h, n, d = q.shape
     nw = n // w
-    qw = q.view(b, h, nw, w, d)
-    kw, vw = _windows(k, w, causal), _windows(v, w, causal)
-    key_valid = _windows(valid[:, None, :, None], w, causal)[:, 0, :, :, 0]  # (B,nw,keys)
     i = torch.arange(w, device=q.device)[:, None]
-    c = torch.arange(kw.shape[3], device=q.device)[None, :]
+    c = torch.arange(2 * w if causal else w, device=q.device)[None, :]
     rel = c - w - i if causal else c - i  # j - t for query slot i, key slot c
     band = (rel <= 0) & (rel > -w) if causal else torch.ones_like(rel, dtype=torch.bool)
-    bias = pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)]  # P[j - t + w - 1], (H,w,keys)
-    scores = torch.einsum("bhmid,bhmcd->bhmic", qw, kw) / math.sqrt(d) + bias[None, :, None]
-    allowed = band & key_valid[:, None, :, None, :]
-    p = _masked_softmax(scores, allowed)
-    return torch.einsum("bhmic,bhmcd->bhmid", p, vw).reshape(b, h, n, d)
+    # P[j - t + w - 1] inside the band, -inf outside: one addition applies bias and band, (H,w,keys)
+    bias = pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)].masked_fill(~band, float("-inf"))
+    if valid is None and causal:
+        return _CausalWindowAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias)
+    qw = q.view(b, h, nw, w, d)
+    kw, vw = _windows(k, w, causal), _windows(v, w, causal)
+    scores = (qw @ kw.transpose(-1, -2)).add_(bias[None, :, None])
+    if valid is None:
+        return (torch.softmax(scores, -1) @ vw).reshape(b, h, n, d)
+    key_valid = _windows(valid[:, None, :, None], w, causal)[:, 0, :, :, 0]  # (B,nw,keys)
+    allowed = band & key_valid[:, None, :, None, :]  # (B,1,nw,w,keys)
+    has_key = allowed.any(-1, keepdim=True)
+    scores.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed below
+    x = (torch.softmax(scores, -1) @ vw).masked_fill(~has_key, 0.0)
+    return x.reshape(b, h, n, d)
 
 
 def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *, window: int = 64,
@@ -133,34 +192,37 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     ct = compute_dtype(q)
     nw = -(-n // w)
     pad = nw * w - n
-    q_, k_, v_ = (F.pad(t.to(ct), (0, 0, 0, pad)) for t in (q, k, v))
+    q_, k_, v_ = (F.pad(t.to(ct), (0, 0, 0, pad)) if pad else t.to(ct) for t in (q, k, v))
     bases_, pos_bias_ = bases.to(ct), pos_bias.to(ct)
     valid = torch.arange(nw * w, device=q.device).expand(b, nw * w) < n
     if key_padding_mask is not None:
         valid = valid & ~F.pad(key_padding_mask, (0, pad), value=True)
-    scale = 1.0 / math.sqrt(d)
+    q_ = q_ * (1.0 / math.sqrt(d))  # scales the local scores and the memory scores alike
 
-    x = _local_attention(q_, k_, v_, pos_bias_, valid, w, causal)
+    # padded keys need masking inside windows unless only causal queries past the end could see them
+    masked = key_padding_mask is not None or (pad > 0 and not causal)
+    x = _local_attention(q_, k_, v_, pos_bias_, valid if masked else None, w, causal)
     tok = valid.to(ct)
-    bx = torch.einsum("bhnd,hrd->bhnr", x, bases_) * tok[:, None, :, None]  # B x_t, padded tokens dropped
+    xv = x * tok[:, None, :, None] if pad or key_padding_mask is not None else x  # padded tokens dropped
     qb = torch.einsum("bhnd,hrd->bhnr", q_, bases_)
     r = bases.shape[1]
+    # sums of B x_t are only needed per window (causal) or in total: sum the x_t first, then apply B
+    # out = 0.5 (F_local + F_global) with memory, F_local without (then the mean is 0 and so is F_global)
     if causal:
-        win_sum = bx.view(b, h, nw, w, r).sum(3)
+        win_sum = torch.einsum("bhmd,hrd->bhmr", xv.view(b, h, nw, w, d).sum(3), bases_)
         win_cnt = tok.view(b, nw, w).sum(2)
         mem_sum = F.pad(win_sum.cumsum(2), (0, 0, 1, 0))[:, :, :-1]  # windows < m
         mem_cnt = F.pad(win_cnt.cumsum(1), (1, 0))[:, :-1]  # (B,nw)
         mean = mem_sum / mem_cnt.clamp_min(1)[:, None, :, None]  # H of eq. 3, (B,H,nw,r)
-        glob = _memory_readout(qb.view(b, h, nw, w, r), mean[:, :, :, None, :], bases_, scale)
-        glob = glob.view(b, h, nw * w, d)
-        has_mem = (mem_cnt > 0).repeat_interleave(w, dim=1)[:, None, :, None]
+        half_glob = _memory_readout(qb.view(b, h, nw, w, r), mean[:, :, :, None, :], bases_, 1.0, 0.5)
+        coef = torch.where(mem_cnt > 0, 0.5, 1.0).to(ct)[:, None, :, None, None]
+        out = torch.addcmul(half_glob, x.view(b, h, nw, w, d), coef).view(b, h, nw * w, d)
     else:
         cnt = tok.sum(1)  # (B,)
-        mean = bx.sum(2) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
-        glob = _memory_readout(qb, mean[:, :, None, :], bases_, scale)
-        has_mem = (cnt > 0)[:, None, None, None]
-    out = torch.where(has_mem, 0.5 * (x + glob), x)
-    return out[:, :, :n].to(q.dtype)
+        mean = torch.einsum("bhd,hrd->bhr", xv.sum(2), bases_) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
+        half_glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0, 0.5)
+        out = torch.addcmul(half_glob, x, torch.where(cnt > 0, 0.5, 1.0).to(ct)[:, None, None, None])
+    return (out[:, :, :n] if pad else out).to(q.dtype)
 
 
 def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *,

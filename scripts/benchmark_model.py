@@ -1,0 +1,280 @@
+"""Whole-model benchmarks: a linattn_roberta_base training step, and linattn_lm_gpt decoding latency.
+
+- ``train``: one fairseq update (masked-LM forward on 15% masked tokens, backward, Adam step) of
+  ``linattn_roberta_base`` (12 layers, 768-d, 12 heads, vocabulary 50265) at B=1 and N tokens, per
+  encoder attention: time per update (median after warm-up) and the peak memory of an update above
+  the parameters and optimizer state (LLN Table 2's layout). Attention dropout is 0 by default
+  (``--attention-dropout``): with dropout, CPU SDPA falls back to its N×N math path.
+- ``decode``: per-token latency of ``linattn_lm_gpt`` (12 layers, 768-d, vocabulary 50257) decoding
+  one token with fairseq's incremental state after a context of L tokens, for softmax, LLN and LAVO.
+  The state for context L is filled with random keys/values of the right size (softmax keeps L keys
+  and values per layer; LLN and LAVO a fixed-size state, with their position counters set to L):
+  the step's cost depends on the sizes, not on the values, and running L real steps first would take
+  hours for softmax on a CPU.
+
+Defaults finish in about 25 minutes on 2 busy CPU cores: train at N = 512, 1024, 2048, 4096 for
+softmax, lln, lln_diag, skyformer, lavo (3 timed updates each); decode at L = 1K ... 16K (20 tokens each).
+The issue's full range (train up to 16384) is ``--train-sizes 512 1024 2048 4096 8192 16384``.
+
+    python scripts/benchmark_model.py --docs docs/benchmarks.md
+    python scripts/benchmark_model.py --quick --json /tmp/model.json
+"""
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fairseq_linattn.benchmark import fairseq_models, measure, report, sweep  # noqa: E402
+
+DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
+DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
+ENCODER_METHODS = ("softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo")
+DECODER_METHODS = ("softmax", "lln", "lln_diag", "lavo")
+QUICK = dict(train_sizes=[32], decode_contexts=[16, 32], train_arch="linattn_roberta_tiny",
+             decode_arch="linattn_lm_tiny", vocab=100, train_repeats=1, decode_repeats=2, min_repeats=1,
+             point_seconds=1.0, model_args=["--lln-chunk-size", "8", "--lln-diag-block-size", "8", "--lavo-window", "8",
+                                            "--skyformer-landmarks", "8"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=["train", "decode"], default=["train", "decode"])
+    p.add_argument("--train-sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--train-methods", nargs="+", choices=ENCODER_METHODS,
+                   default=["softmax", "lln", "lln_diag", "skyformer", "lavo"])
+    p.add_argument("--train-arch", default="linattn_roberta_base")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--attention-dropout", type=float, default=0.0)
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--decode-methods", nargs="+", choices=DECODER_METHODS, default=["softmax", "lln", "lavo"])
+    p.add_argument("--decode-arch", default="linattn_lm_gpt")
+    p.add_argument("--vocab", type=int, default=None, help="dictionary size (default: RoBERTa's / GPT-2's)")
+    p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra fairseq/plugin options for every model (last on the command line)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--train-repeats", type=int, default=3)
+    p.add_argument("--decode-repeats", type=int, default=20, help="decoded tokens timed per context")
+    p.add_argument("--min-repeats", type=int, default=2)
+    p.add_argument("--point-seconds", type=float, default=90.0)
+    p.add_argument("--time-budget", type=float, default=300.0, help="seconds per update / token")
+    p.add_argument("--memory-budget-gib", type=float, default=10.0)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help=f"results (default {DEFAULT_JSON}; none with --quick)")
+    p.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT}; none with --quick)")
+    p.add_argument("--docs", type=Path, default=None, help="rewrite the model section of this markdown")
+    p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
+    p.add_argument("--quick", action="store_true", help="tiny models and sizes: checks the script runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    else:
+        args.json = args.json or DEFAULT_JSON
+        args.plot = args.plot or DEFAULT_PLOT
+    return args
+
+
+def _device_args(device: torch.device):
+    return ["--cpu"] if device.type == "cpu" else []
+
+
+def train_case(method: str, data: Path, args, device):
+    def build(n, _):
+        built = fairseq_models.build(data, [
+            "--task", "masked_lm", "--criterion", "masked_lm", "--arch", args.train_arch,
+            "--encoder-attention-type", method, "--tokens-per-sample", str(n), "--max-positions", str(n),
+            "--attention-dropout", str(args.attention_dropout), "--optimizer", "adam", "--lr", "1e-4",
+            "--seed", "1", *_device_args(device), *args.model_args])
+        model, criterion, optimizer = built["model"].to(device), built["criterion"], built["optimizer"]
+        sample = fairseq_models.masked_lm_sample(built["task"], n, args.batch, generator=torch.Generator().manual_seed(n))
+        sample = _to(sample, device)
+
+        def call():
+            return fairseq_models.training_step(model, criterion, optimizer, sample)
+        call.extra = lambda: {"state_bytes": fairseq_models.state_bytes(model, optimizer)}
+        return call
+    return build
+
+
+def _to(sample, device):
+    if isinstance(sample, dict):
+        return {k: _to(v, device) for k, v in sample.items()}
+    return sample.to(device) if isinstance(sample, torch.Tensor) else sample
+
+
+def fill_state(attn, state: dict, context: int) -> None:
+    """Make a decoder layer's incremental state look as after ``context`` tokens (see the module doc)."""
+    buf = attn._get_input_buffer(state)
+    if attn.method == "softmax":
+        b, h, _, d = buf["prev_key"].shape
+        kv = dict(dtype=buf["prev_key"].dtype, device=buf["prev_key"].device)
+        buf["prev_key"], buf["prev_value"] = torch.randn(b, h, context, d, **kv), torch.randn(b, h, context, d, **kv)
+        buf["prev_key_padding_mask"] = torch.zeros(b, context, dtype=torch.bool, device=kv["device"])
+    if "position" in buf:
+        buf["position"] = torch.full_like(buf["position"], context)
+    if "mem_count" in buf:  # LAVO: tokens of the completed windows
+        buf["mem_count"] = torch.full_like(buf["mem_count"], context - context % attn.window)
+    attn._set_input_buffer(state, buf)
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for buf in state.values() for t in buf.values()
+               if isinstance(t, torch.Tensor))
+
+
+def decode_case(method: str, data: Path, args, device, max_tokens: int):
+    def build(context, _):
+        built = fairseq_models.build(data, [
+            "--task", "language_modeling", "--arch", args.decode_arch, "--decoder-attention-type", method,
+            "--tokens-per-sample", str(max_tokens), "--max-target-positions", str(max_tokens), "--seed", "1",
+            *_device_args(device), *args.model_args], optimizer=False)
+        model = built["model"].to(device).eval()
+        d = built["task"].target_dictionary
+        tokens = torch.randint(d.nspecial, len(d), (args.batch, context + 1 + 8 + args.decode_repeats * 2),
+                               generator=torch.Generator().manual_seed(context)).to(device)
+        state, pos = {}, [0]
+
+        def call():
+            with torch.no_grad():
+                model.decoder(tokens[:, :pos[0] + 1], incremental_state=state)
+            pos[0] += 1
+
+        for _ in range(2):  # real steps create every layer's buffers
+            call()
+        for layer in model.decoder.layers:
+            fill_state(layer.self_attn, state, context)
+        pos[0] = context
+        call.extra = lambda: {"state_bytes": state_bytes(state)}
+        return call
+    return build
+
+
+def run_part(cases, sizes, args, device, repeats):
+    """One model alive at a time: each case builds its model at each size, measures it, frees it."""
+    res = sweep.run(cases, sizes, device, time_budget=args.time_budget,
+                    memory_budget=args.memory_budget_gib * 2 ** 30, warmup=args.warmup, repeats=repeats,
+                    min_repeats=args.min_repeats, point_seconds=args.point_seconds,
+                    measure_memory=not args.no_memory, interleave=False)
+    return {"points": res["points"], "matmul_flops": {str(n): r for n, r in res["matmul_flops"].items()}}
+
+
+def measure_all(args) -> dict:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "machine": measure.machine_info(device), "load_start": measure.load_average()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "train" in args.parts:
+            data = fairseq_models.write_dictionary(Path(tmp) / "roberta",
+                                                   (args.vocab or fairseq_models.ROBERTA_VOCAB) - 5)
+            out["train"] = run_part({m: train_case(m, data, args, device) for m in args.train_methods},
+                                    args.train_sizes, args, device, args.train_repeats)
+        if "decode" in args.parts:
+            data = fairseq_models.write_dictionary(Path(tmp) / "lm", (args.vocab or fairseq_models.GPT2_VOCAB) - 4)
+            max_tokens = max(args.decode_contexts) + 16 + 2 * args.decode_repeats
+            out["decode"] = run_part({m: decode_case(m, data, args, device, max_tokens) for m in args.decode_methods},
+                                     args.decode_contexts, args, device, args.decode_repeats)
+    out["load_end"] = measure.load_average()
+    return out
+
+
+def _row(part: dict, method: str, n: int):
+    for r in part["points"].get(method, []):
+        if r["n"] == n and r["status"] == "ok":
+            return r
+    return None
+
+
+def targets(res: dict) -> list:
+    out = []
+
+    def add(text, value, ok, fmt):
+        out.append({"target": text, "measured": "n/a" if value is None else fmt.format(value),
+                    "met": value is not None and ok(value)})
+
+    if "train" in res:
+        t = res["train"]
+        a, b = _row(t, "softmax", 4096), _row(t, "lln_diag", 4096)
+        add("RoBERTa-base update at N=4096: LLN+Diag ≥ 2× faster than softmax",
+            None if not (a and b) else a["median_s"] / b["median_s"], lambda x: x >= 2, "{:.2f}×")
+        a, b = _row(t, "softmax", 512), _row(t, "lln_diag", 512)
+        add("RoBERTa-base update at N=512: LLN+Diag ≤ 1.3× the softmax time",
+            None if not (a and b) else b["median_s"] / a["median_s"], lambda x: x <= 1.3, "{:.2f}×")
+    if "decode" in res:
+        d = res["decode"]
+        lo, hi = min(res["config"]["decode_contexts"]), max(res["config"]["decode_contexts"])
+        for m in ("lln", "lavo"):
+            a, b = _row(d, m, lo), _row(d, m, hi)
+            add(f"{m} decoding: per-token latency at context {hi} ≤ 1.2× that at {lo}",
+                None if not (a and b) else b["median_s"] / a["median_s"], lambda x: x <= 1.2, "{:.2f}×")
+    return out
+
+
+def render(res: dict, image: str) -> str:
+    c = res["config"]
+    parts = [report.machine_lines(res["machine"], res["load_start"]) +
+             f" Load at the end: {', '.join(f'{x:.2f}' for x in res['load_end'])}.",
+             f"![model benchmark]({image})" if image else "", "**Targets**\n\n" + report.targets_table(targets(res))]
+    if "train" in res:
+        pts = res["train"]["points"]
+        sizes = c["train_sizes"]
+        parts.append(f"**{c['train_arch']} training update (masked-LM forward, backward, Adam), B={c['batch']}, "
+                     f"attention dropout {c['attention_dropout']:g}: seconds per update** (median of "
+                     f"{c['min_repeats']}–{c['train_repeats']} after {c['warmup']} warm-up)\n\n" +
+                     report.table(pts, sizes, lambda r: f"{r['median_s']:.2f}"))
+        parts.append("**Peak memory of an update above parameters + Adam state (MiB)**\n\n" +
+                     report.table(pts, sizes, lambda r: None if r.get("peak_bytes") is None
+                                  else f"{r['peak_bytes'] / report.MiB:.0f}"))
+    if "decode" in res:
+        pts = res["decode"]["points"]
+        ctx = c["decode_contexts"]
+        parts.append(f"**{c['decode_arch']} incremental decoding, B={c['batch']}: ms per token after a context of "
+                     f"L tokens** (median of {c['min_repeats']}–{c['decode_repeats']} tokens)\n\n" +
+                     report.table(pts, ctx, lambda r: f"{r['median_s'] * 1e3:.1f}"))
+        parts.append("**Incremental state of all layers (MiB)**\n\n" +
+                     report.table(pts, ctx, lambda r: None if r.get("state_bytes") is None
+                                  else f"{r['state_bytes'] / report.MiB:.2f}"))
+    return "\n\n".join(p for p in parts if p)
+
+
+def plot(res: dict, path: Path) -> None:
+    series = {}
+    if "train" in res:
+        series.update({f"train {m}": rows for m, rows in res["train"]["points"].items()})
+    if "decode" in res:
+        series.update({f"decode {m}": rows for m, rows in res["decode"]["points"].items()})
+    report.plot_loglog(series, path, "linattn_roberta_base update and linattn_lm_gpt decoding",
+                       panels=(("median_s", "seconds per update / per token", 1.0),))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+    else:
+        res = measure_all(args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(res, indent=1))
+            print(f"wrote {args.json}")
+    if args.plot:
+        plot(res, args.plot)
+        print(f"wrote {args.plot}")
+    text = render(res, report.link(args.plot, args.docs))
+    print(text)
+    if args.docs:
+        report.write_section(args.docs, "model results", text)
+        print(f"updated {args.docs}")
+
+
+if __name__ == "__main__":
+    main()

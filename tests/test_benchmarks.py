@@ -1,0 +1,116 @@
+"""The benchmark scripts run end to end (--quick), and their helpers measure what they claim.
+
+No timing assertions: only structure, budgets, and quantities with a known answer.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq_linattn.benchmark import flops, measure, report, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_script(name, tmp_path, *extra):
+    out = tmp_path / f"{name}.json"
+    plot = tmp_path / "img" / f"{name}.png"
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), "--quick", "--json", str(out),
+                           "--plot", str(plot), "--docs", str(doc), *extra],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), plot, doc
+
+
+def all_ok(points):
+    return {name: [r["status"] for r in rows if r["status"] != "ok"] for name, rows in points.items()}
+
+
+def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_path):
+    res, plot, doc = run_script("benchmark_attention", tmp_path)
+    expected = {"softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "kernelized",
+                "softmax causal", "lln causal", "lln_diag causal", "block_softmax causal", "lavo causal"}
+    assert set(res["points"]) == expected
+    assert not any(all_ok(res["points"]).values())
+    assert all(r["peak_bytes"] > 0 and r["median_s"] > 0 for rows in res["points"].values() for r in rows)
+    assert len(res["load_start"]) == 3 and set(res["matmul_flops"]) == {"64", "128"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = doc.read_text()
+    assert "<!-- BEGIN attention results -->" in text and "img/benchmark_attention.png" in text
+    assert all(f"| {name} |" in text for name in expected)
+    # rendering again from the JSON replaces the section instead of appending a second one
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--from-json",
+                    str(tmp_path / "benchmark_attention.json"), "--docs", str(doc)], check=True,
+                   capture_output=True, env=ENV, timeout=300)
+    assert doc.read_text().count("<!-- BEGIN attention results -->") == 1
+
+
+def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
+    res, plot, doc = run_script("benchmark_model", tmp_path)
+    assert set(res["train"]["points"]) == {"softmax", "lln", "lln_diag", "skyformer", "lavo"}
+    assert set(res["decode"]["points"]) == {"softmax", "lln", "lavo"}
+    assert not any(all_ok(res["train"]["points"]).values()) and not any(all_ok(res["decode"]["points"]).values())
+    # decoding state: softmax keeps every key and value, LLN and LAVO a fixed-size state
+    state = {m: [r["state_bytes"] for r in rows] for m, rows in res["decode"]["points"].items()}
+    assert state["softmax"][1] > state["softmax"][0]
+    assert state["lln"][0] == state["lln"][1] and state["lavo"][0] == state["lavo"][1]
+    assert plot.exists() and "<!-- BEGIN model results -->" in doc.read_text()
+
+
+def test_scaling_exponent_recovers_a_power_law():
+    rows = [{"n": n, "status": "ok", "t": 3e-9 * n ** 1.7} for n in (512, 1024, 4096, 8192)]
+    rows.append({"n": 16384, "status": "skipped"})
+    assert report.scaling_exponent(rows, "t", 512, 16384) == pytest.approx(1.7)
+    assert report.scaling_exponent(rows, "t", 8192, 16384) is None  # one point is not a fit
+
+
+def test_sweep_stops_a_case_at_the_budget_and_marks_the_rest():
+    cases = {"linear": lambda n, _: (lambda: time.sleep(n * 1e-5)),
+             "quadratic": lambda n, _: (lambda: time.sleep(n * n * 2e-7))}
+    res = sweep.run(cases, [100, 200, 400, 800], torch.device("cpu"), time_budget=0.05, memory_budget=2 ** 30,
+                    repeats=1, min_repeats=1, measure_memory=False, log=lambda _: None)
+    assert [r["status"] for r in res["points"]["linear"]] == ["ok"] * 4
+    quad = res["points"]["quadratic"]
+    # 2 ms, 8 ms, then 32 ms is within budget; 800 is predicted at 128 ms > 50 ms: skipped, not run
+    assert [r["status"] for r in quad] == ["ok", "ok", "ok", "skipped"]
+    assert quad[3]["note"].startswith("predicted")
+
+
+def test_cpu_peak_memory_sees_a_temporary_allocation():
+    def fn():
+        x = torch.ones(1024, 1024)  # 4 MiB, freed on return
+        return float(x.sum())
+
+    peak = measure.peak_memory_bytes(fn, torch.device("cpu"))
+    assert 4 * 2 ** 20 <= peak < 5 * 2 ** 20
+
+
+def test_flop_counts_follow_the_algorithms():
+    opts = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "landmarks": 128}
+    n, d = 8192, 64
+    assert flops.forward_flops("lln", n, d, causal=False, opts=opts) == 4 * n * d * (d + 1)
+    assert flops.forward_flops("softmax", n, d, causal=False, opts=opts) == 2 * flops.forward_flops(
+        "softmax", n, d, causal=True, opts=opts)
+    lln_diag = flops.forward_flops("lln_diag", n, d, causal=True, opts=opts)
+    assert lln_diag == flops.forward_flops("lln", n, d, causal=True, opts=opts) + 4 * n * 64 * d
+    for method in ("lln", "block_softmax", "lavo"):  # linear methods: doubling N doubles the work
+        assert flops.forward_flops(method, 2 * n, d, causal=True, opts=opts) == 2 * flops.forward_flops(
+            method, n, d, causal=True, opts=opts)
+    assert flops.training_flops("lln", n, 2, 3, d, causal=False, opts=opts) == 18 * 4 * n * d * (d + 1)
+
+
+def test_write_section_replaces_only_its_own_block(tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text("# title\n\nhand-written text\n")
+    report.write_section(doc, "a", "first")
+    report.write_section(doc, "b", "other")
+    report.write_section(doc, "a", "second")
+    text = doc.read_text()
+    assert "hand-written text" in text and "second" in text and "other" in text and "first" not in text
