@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--landmarks", type=int, default=128, help="Skyformer landmarks")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                   help="keep: restart with glibc keeping freed memory (no page faults on every large "
+                        "temporary, like a GPU's caching allocator), for every method; default: glibc's")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per point (median reported)")
@@ -244,6 +247,8 @@ def render(res: dict, image: str) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.malloc == "keep" and not args.from_json and argv is None:
+        measure.restart_keeping_freed_memory(sys.argv)
     if args.from_json:
         res = json.loads(args.from_json.read_text())
     else:

@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                    help="extra fairseq/plugin options for every model (last on the command line)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                   help="keep: restart with glibc keeping freed memory (no page faults on every large "
+                        "temporary, like a GPU's caching allocator), for every method; default: glibc's")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--train-repeats", type=int, default=3)
@@ -258,6 +261,8 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.malloc == "keep" and not args.from_json and argv is None:
+        measure.restart_keeping_freed_memory(sys.argv)
     if args.from_json:
         res = json.loads(args.from_json.read_text())
     else:

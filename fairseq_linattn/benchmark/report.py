@@ -80,7 +80,9 @@ def machine_lines(machine: dict, load: Sequence[float]) -> str:
     load_text = ", ".join(f"{x:.2f}" for x in load) if load else "n/a"
     return (f"Machine: {machine['cpu']} ({machine['cpu_count']} cores, {machine['cpu_capability']}), "
             f"torch {machine['torch']} on {machine['device']}, {machine['torch_threads']} threads, "
-            f"Python {machine['python']}; load average (1, 5, 15 min) at the start: {load_text}.")
+            f"Python {machine['python']}; load average (1, 5, 15 min) at the start: {load_text}."
+            + (f" glibc malloc: {machine['malloc']} (freed memory kept, see below)." if machine.get("malloc")
+               else " glibc malloc defaults." if "malloc" in machine else ""))
 
 
 def targets_table(targets: List[dict]) -> str:

@@ -101,52 +101,77 @@ def _windows(x: Tensor, w: int, causal: bool) -> Tensor:
     return torch.cat([prev, xw], dim=3)
 
 
+def _two_window_views(x: Tensor, w: int) -> Tensor:
+    """(F*w, D) rows -> (F-1, 2w, D) overlapping views: entry f-1 holds windows f-1 and f, no copy."""
+    rows, d = x.shape
+    return x.as_strided((rows // w - 1, 2 * w, d), (w * d, d, 1), x.storage_offset())
+
+
 class _CausalWindowAttention(torch.autograd.Function):
     """softmax(q k^T + bias) v for each window of w queries against the previous and its own window.
 
     q, k, v (B,H,nw*w,D) contiguous, q already scaled; bias (H,w,2w) with -inf outside the band.
-    Windows are flattened to F = B*H*nw (w, D) blocks, so "previous window" is the previous block:
-    both products are batched matmuls on views of k and v (no copied key windows); the blocks that
-    cross a head boundary (every head's window 0) are masked. Saves only the probabilities.
+    Windows are flattened to F = B*H*nw (w, D) blocks, so "previous window" is the previous block
+    and [previous, own] is one (2w, D) strided view of k or v: each window is a single (w×D)·(D×2w)
+    product, with no copied keys. The blocks that cross a head boundary (every head's window 0) are
+    masked; block 0 has no view and is done alone. Saves only the probabilities.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
         b, h, n, d = q.shape
         w = bias.shape[1]
-        qf, kf, vf = (t.view(-1, w, d) for t in (q, k, v))
+        qf = q.view(-1, w, d)
+        k2, v2 = k.view(-1, d), v.view(-1, d)
         scores = torch.empty(qf.shape[0], w, 2 * w, dtype=q.dtype, device=q.device)
-        torch.bmm(qf, kf.transpose(1, 2), out=scores[:, :, w:])
-        torch.bmm(qf[1:], kf[:-1].transpose(1, 2), out=scores[1:, :, :w])
+        if qf.shape[0] > 1:
+            torch.bmm(qf[1:], _two_window_views(k2, w).transpose(1, 2), out=scores[1:])
+        torch.mm(qf[0], k2[:w].t(), out=scores[0, :, w:])
         per_head = scores.view(b, h, n // w, w, 2 * w)
         per_head.add_(bias[None, :, None])
         per_head[:, :, 0, :, :w] = float("-inf")  # window 0 has no previous window
         p = torch.softmax(scores, -1)
-        x = torch.bmm(p[:, :, w:], vf)
-        x[1:].baddbmm_(p[1:, :, :w], vf[:-1])
-        ctx.save_for_backward(qf, kf, vf, p)
+        x = torch.empty_like(qf)
+        if qf.shape[0] > 1:
+            torch.bmm(p[1:], _two_window_views(v2, w), out=x[1:])
+        torch.mm(p[0, :, w:], v2[:w], out=x[0])
+        ctx.save_for_backward(qf, k2, v2, p)
         ctx.shape = (b, h, n, d)
         return x.view(b, h, n, d)
 
     @staticmethod
     def backward(ctx, grad):
-        qf, kf, vf, p = ctx.saved_tensors
+        qf, k2, v2, p = ctx.saved_tensors
         b, h, n, d = ctx.shape
         w = p.shape[1]
         g = grad.contiguous().view(-1, w, d)
+        many = g.shape[0] > 1
         dp = torch.empty_like(p)
-        torch.bmm(g, vf.transpose(1, 2), out=dp[:, :, w:])
-        torch.bmm(g[1:], vf[:-1].transpose(1, 2), out=dp[1:, :, :w])
+        if many:
+            torch.bmm(g[1:], _two_window_views(v2, w).transpose(1, 2), out=dp[1:])
+        torch.mm(g[0], v2[:w].t(), out=dp[0, :, w:])
         dp[0, :, :w] = 0  # never computed; its probabilities are 0
         ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-        dq = torch.bmm(ds[:, :, w:], kf)
-        dq[1:].baddbmm_(ds[1:, :, :w], kf[:-1])
-        dk = torch.bmm(ds[:, :, w:].transpose(1, 2), qf)
-        dk[:-1].baddbmm_(ds[1:, :, :w].transpose(1, 2), qf[1:])
-        dv = torch.bmm(p[:, :, w:].transpose(1, 2), g)
-        dv[:-1].baddbmm_(p[1:, :, :w].transpose(1, 2), g[1:])
+        dq = torch.empty_like(qf)
+        if many:
+            torch.bmm(ds[1:], _two_window_views(k2, w), out=dq[1:])
+        torch.mm(ds[0, :, w:], k2[:w], out=dq[0])
+        dk, dv = _window_pair_grad(ds, qf), _window_pair_grad(p, g)
         dbias = ds.view(b, h, n // w, w, 2 * w).sum((0, 2))
         return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), dbias
+
+
+def _window_pair_grad(s: Tensor, y: Tensor) -> Tensor:
+    """Gradient of the keys (or values) seen through [previous, own] windows: s (F,w,2w), y (F,w,D).
+
+    Window f's keys get s[f, :, w:]^T y[f] (as its own window) + s[f+1, :, :w]^T y[f+1] (as the
+    previous window of f+1) -> (F,w,D).
+    """
+    w = s.shape[1]
+    out = torch.bmm(s[:, :, w:].transpose(1, 2), y)
+    if s.shape[0] > 1:
+        out[:-1].baddbmm_(s[1:, :, :w].transpose(1, 2), y[1:])
+    return out
 
 
 def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: Optional[Tensor], w: int,
