@@ -14,7 +14,6 @@ One call = forward + ``torch.autograd.grad`` of the output w.r.t. q, k, v (and L
 bias), fp32 by default. Memory: see ``fairseq_linattn.benchmark.measure``.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fairseq_linattn import ops  # noqa: E402
-from fairseq_linattn.benchmark import flops, measure, report, sweep  # noqa: E402
+from fairseq_linattn.benchmark import cli, flops, measure, report, sweep  # noqa: E402
 
 METHODS = ("softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "kernelized")
 CAUSAL = {"softmax", "lln", "lln_diag", "block_softmax", "lavo"}
@@ -50,9 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--landmarks", type=int, default=128, help="Skyformer landmarks")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                   help="keep: restart with glibc keeping freed memory (no page faults on every large "
-                        "temporary, like a GPU's caching allocator), for every method; default: glibc's")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per point (median reported)")
@@ -63,19 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--memory-budget-gib", type=float, default=8.0, help="a method stops above this peak")
     p.add_argument("--no-memory", action="store_true", help="skip the (profiled) memory measurement")
     p.add_argument("--fit-range", type=int, nargs=2, default=[4096, 32768], help="N range of the exponents")
-    p.add_argument("--json", type=Path, default=None, help=f"results (default {DEFAULT_JSON}; none with --quick)")
-    p.add_argument("--plot", type=Path, default=None, help=f"log-log PNG (default {DEFAULT_PLOT}; none with --quick)")
-    p.add_argument("--docs", type=Path, default=None, help="rewrite the attention section of this markdown")
-    p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    else:
-        args.json = args.json or DEFAULT_JSON
-        args.plot = args.plot or DEFAULT_PLOT
-    return args
+    cli.add_output_arguments(p, "attention", DEFAULT_JSON, DEFAULT_PLOT)
+    return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
 
 
 def make_inputs(n: int, args, device, dtype) -> dict:
@@ -245,28 +230,14 @@ def render(res: dict, image: str) -> str:
     ])
 
 
+def plot(res: dict, path: Path) -> None:
+    c = res["config"]
+    report.plot_loglog(res["points"], path, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
+                       f"D={c['head_dim']}, {c['dtype']}")
+
+
 def main(argv=None):
-    args = parse_args(argv)
-    if args.malloc == "keep" and not args.from_json and argv is None:
-        measure.restart_keeping_freed_memory(sys.argv)
-    if args.from_json:
-        res = json.loads(args.from_json.read_text())
-    else:
-        res = measure_all(args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(res, indent=1))
-            print(f"wrote {args.json}")
-    if args.plot:
-        c = res["config"]
-        report.plot_loglog(res["points"], args.plot, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
-                           f"D={c['head_dim']}, {c['dtype']}")
-        print(f"wrote {args.plot}")
-    text = render(res, report.link(args.plot, args.docs))
-    print(text)
-    if args.docs:
-        report.write_section(args.docs, "attention results", text)
-        print(f"updated {args.docs}")
+    cli.run(parse_args(argv), argv, "attention results", measure_all, plot, render)
 
 
 if __name__ == "__main__":

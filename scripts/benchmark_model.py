@@ -20,7 +20,6 @@ The issue's full range (train up to 16384) is ``--train-sizes 512 1024 2048 4096
     python scripts/benchmark_model.py --quick --json /tmp/model.json
 """
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fairseq_linattn.benchmark import fairseq_models, measure, report, sweep  # noqa: E402
+from fairseq_linattn.benchmark import cli, fairseq_models, measure, report, sweep  # noqa: E402
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
@@ -58,9 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                    help="extra fairseq/plugin options for every model (last on the command line)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                   help="keep: restart with glibc keeping freed memory (no page faults on every large "
-                        "temporary, like a GPU's caching allocator), for every method; default: glibc's")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--train-repeats", type=int, default=3)
@@ -70,19 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=300.0, help="seconds per update / token")
     p.add_argument("--memory-budget-gib", type=float, default=10.0)
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--json", type=Path, default=None, help=f"results (default {DEFAULT_JSON}; none with --quick)")
-    p.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT}; none with --quick)")
-    p.add_argument("--docs", type=Path, default=None, help="rewrite the model section of this markdown")
-    p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
-    p.add_argument("--quick", action="store_true", help="tiny models and sizes: checks the script runs")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    else:
-        args.json = args.json or DEFAULT_JSON
-        args.plot = args.plot or DEFAULT_PLOT
-    return args
+    cli.add_output_arguments(p, "model", DEFAULT_JSON, DEFAULT_PLOT)
+    return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
 
 
 def _device_args(device: torch.device):
@@ -260,25 +245,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.malloc == "keep" and not args.from_json and argv is None:
-        measure.restart_keeping_freed_memory(sys.argv)
-    if args.from_json:
-        res = json.loads(args.from_json.read_text())
-    else:
-        res = measure_all(args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(res, indent=1))
-            print(f"wrote {args.json}")
-    if args.plot:
-        plot(res, args.plot)
-        print(f"wrote {args.plot}")
-    text = render(res, report.link(args.plot, args.docs))
-    print(text)
-    if args.docs:
-        report.write_section(args.docs, "model results", text)
-        print(f"updated {args.docs}")
+    cli.run(parse_args(argv), argv, "model results", measure_all, plot, render)
 
 
 if __name__ == "__main__":
