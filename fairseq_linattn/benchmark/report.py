@@ -58,13 +58,20 @@ def plot_loglog(series: Dict[str, List[dict]], path: Path, title: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # one colour per method, its causal form dashed in the same colour
+    def base(name: str) -> str:
+        return name.replace(" causal", "")
+
+    methods = list(dict.fromkeys(base(name) for name in series))
+    colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (key, label, divisor) in zip(axes[0], panels):
         for name, rows in series.items():
             pts = [(r["n"], r[key] / divisor) for r in rows if r["status"] == "ok" and r.get(key)]
             if pts:
                 style = "--" if "causal" in name else "-"
-                ax.loglog(*zip(*pts), style, marker="o", markersize=3, label=name)
+                ax.loglog(*zip(*pts), style, color=colour[base(name)], marker="o", markersize=3,
+                          label=name)
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
