@@ -20,8 +20,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
 fi
-# (this machine's pip config names index folders that may not exist: drop those warnings)
-quiet() { grep -v "^WARNING: Location '.*' is ignored" >&2 || true; }
+# Drop two kinds of pip noise: this machine's pip config names index folders that may not exist,
+# and the resolver's "conflict" report for torchaudio, which fairseq declares and the fairseq step
+# below leaves out on purpose. Any other conflict is still printed, with its header.
+quiet() {
+  awk '/^WARNING: Location .* is ignored/ {next}
+       /^ERROR: pip.s dependency resolver/ {hdr = $0; next}
+       /requires torchaudio/ {next}
+       {if (hdr != "") {print hdr; hdr = ""} print}' >&2 || true
+}
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2> >(quiet); }
 
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
