@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
 
 
 def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
@@ -49,6 +49,7 @@ def _masked_blocks(q: Tensor, k: Tensor, v: Tensor, bs: int, causal: bool, key_p
     return out.reshape(b, h, nb * bs, -1)[:, :, :n]
 
 
+@autocast_off
 def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64, causal: bool = False,
                             key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """Tokens [m*bs, (m+1)*bs) attend to keys of their own block only; a shorter last block.

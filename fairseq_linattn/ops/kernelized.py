@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
 
 _NON_CAUSAL_HELP = ("causal=True is not supported: use lln, lln_diag, lavo or softmax for decoder "
                     "self-attention")
@@ -51,6 +51,7 @@ def _exact_kernel(qs: Tensor, ks: Tensor, key_padding_mask: Optional[Tensor]) ->
     return c
 
 
+@autocast_off
 def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
                          causal: bool = False, chunk_size: int = 1024) -> Tensor:
     """out = C V, C_ij = exp(q_i·k_j - |q_i|²/2 - |k_j|²/2) on q, k scaled by D^(-1/4).

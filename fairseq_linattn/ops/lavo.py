@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
 
 
 def lavo_init_bases(num_heads: int, num_bases: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
@@ -204,6 +204,7 @@ def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: O
     return x.reshape(b, h, n, d)
 
 
+@autocast_off
 def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *, window: int = 64,
                    causal: bool = True, key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """LAVO self-attention in O(N (w + r)) time and memory (no N×N matrix).
@@ -288,6 +289,7 @@ def _check_cross(q, k_src, v_src, bases, key_padding_mask) -> Optional[Tensor]:
     return check_key_padding_mask(key_padding_mask, k_src)
 
 
+@autocast_off
 def lavo_cross_attention(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
                          key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """LAVO cross-attention (§3.4): softmax(Q Xtil^T/sqrt(D)) Xtil, Xtil = B ⊙ mean_j(B v_j), no local part.
@@ -355,6 +357,7 @@ def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: i
     }
 
 
+@autocast_off
 def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_bias: Tensor,
                      state: Dict[str, Tensor], *, window: int) -> Tuple[Tensor, Dict[str, Tensor]]:
     """One causal LAVO token: q_t, k_t, v_t (B,H,1,D) -> (out (B,H,1,D), new_state); O(w D + r D).

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import (check_key_padding_mask, check_positive_int, check_positive_scale, check_qkv,
-                      compute_dtype)
+from ._checks import (autocast_off, check_key_padding_mask, check_positive_int, check_positive_scale,
+                      check_qkv, compute_dtype)
 
 _TINY = 1e-30
 
@@ -208,6 +208,7 @@ def _lln_causal(aq: Tensor, bk: Tensor, v: Tensor, chunk_size: int) -> Tensor:
     return out[:, :, :n] if pad else out
 
 
+@autocast_off
 def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
                   key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
     """LLN attention in O(N D Dv) time (non-causal) or chunked O(N C D + (N/C) D Dv) (causal).
@@ -244,6 +245,7 @@ def lln_decode_init(batch: int, heads: int, head_dim: int, value_dim: int, *, dt
     return s, shift
 
 
+@autocast_off
 def lln_decode_step(q: Tensor, k: Tensor, v: Tensor, alpha, beta, s: Tensor, shift: Tensor,
                     key_padding_mask: Optional[Tensor] = None):
     """One causal step, O(D Dv): q, k (B,H,1,D), v (B,H,1,Dv), state from ``lln_decode_init``.

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv
 from .kernelized import _prepare, check_non_causal, gaussian_kernel, kernelized_attention_reference
 
 MODES = ("stratified", "uniform")
@@ -116,6 +116,7 @@ def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exa
     return c_q, m_inv, c_k
 
 
+@autocast_off
 def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int = 128,
                         key_padding_mask: Optional[Tensor] = None, mode: str = "stratified",
                         generator: Optional[torch.Generator] = None, exact_inverse: bool = False,
