@@ -218,6 +218,23 @@ def test_ema_forward_uses_statistics_from_before_the_batch(gen):
     assert (alpha.item(), beta.item()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_ema_skips_a_batch_with_non_finite_activations(gen):
+    # an fp16 forward that overflowed is skipped by fairseq's loss scaler; it must not poison the EMA
+    # (a NaN buffer would make every later alpha, beta and loss NaN)
+    matcher = MomentMatcher("paper", head_dim=8, num_heads=4, stats="ema", ema_momentum=0.9).train()
+    q, k = qk(gen)
+    matcher(q, k)
+    before = (matcher.ema_var_q.clone(), matcher.ema_var_k.clone())
+    for bad in (float("inf"), float("nan")):
+        q_bad = q.clone()
+        q_bad[0, 1, 2, 3] = bad
+        matcher(q_bad, k)
+        assert torch.equal(matcher.ema_var_q, before[0]) and torch.equal(matcher.ema_var_k, before[1])
+    alpha, beta = matcher(q, k)  # training goes on with finite values and folds good batches in again
+    assert torch.isfinite(alpha).all() and torch.isfinite(beta).all()
+    assert not torch.equal(matcher.ema_var_q, before[0])
+
+
 def test_ema_eval_freezes_the_buffers(gen):
     matcher = MomentMatcher("paper", head_dim=8, num_heads=4, stats="ema", per_head=True)
     matcher.train()(*qk(gen))

@@ -367,9 +367,13 @@ class MomentMatcher(nn.Module):
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
             batch_q, batch_k = self._batch_variances(q, k, key_padding_mask)
+            # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
+            # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN
+            finite = torch.isfinite(batch_q) & torch.isfinite(batch_k)
             m = self.ema_momentum
-            self.ema_var_q.copy_(m * self.ema_var_q.to(_F64) + (1 - m) * batch_q)
-            self.ema_var_k.copy_(m * self.ema_var_k.to(_F64) + (1 - m) * batch_k)
+            for buf, batch in ((self.ema_var_q, batch_q), (self.ema_var_k, batch_k)):
+                old = buf.to(_F64)
+                buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
         return self._match(var_q, var_k, like=q)
 
     @torch.no_grad()
