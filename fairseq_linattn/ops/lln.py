@@ -215,6 +215,9 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv); alpha, beta > 0, floats or tensors
     broadcastable to (B,H,1,1). Causal needs S == N. Half inputs compute in fp32.
+    Known limit of the causal form: its shifts (one per query, one per key, none from a future
+    token) make q·k products underflow in fp32 when a query's and a key's largest features, above
+    about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
     chunk_size = check_positive_int("chunk_size", chunk_size)
     aq, bk, v = _prepare(q, k, v, alpha, beta, key_padding_mask, same_length=causal)
