@@ -3,9 +3,12 @@
 1. Checkpoints on torch >= 2.6: fairseq's ``checkpoint_utils`` calls ``torch.load(f, map_location=...)``; torch >= 2.6 defaults
 that to ``weights_only=True``, which rejects the argparse/omegaconf/numpy objects every fairseq
 checkpoint holds (fairseq issues #5603, #5610; fixed upstream after 0.12 by passing
-``weights_only=False``). We make the same change for fairseq's checkpoint module only: its
-``torch`` name is replaced by a view of torch whose ``load`` defaults to ``weights_only=False``.
-Nothing else in the process changes. Checkpoints are pickles: load only ones you trust.
+``weights_only=False``). In a distributed run only rank 0 reads the file and
+``distributed.utils.broadcast_object`` sends the state to the other ranks as a ``torch.save``
+pickle, unpickled there by ``torch.load`` again. We make the upstream change in these two modules
+only: their ``torch`` name is replaced by a view of torch whose ``load`` defaults to
+``weights_only=False``. Nothing else in the process changes. Checkpoints are pickles: load only
+ones you trust.
 
 2. NumPy >= 2 removed ``np.compat``; fairseq still reads ``np.compat.long`` when it builds a
 ``TokenBlockDataset`` from a list of sizes (hub ``generate``/``sample``, ``fairseq-interactive`` on a
@@ -34,12 +37,13 @@ def _trusting_torch() -> types.ModuleType:
 
 
 def allow_fairseq_checkpoints() -> None:
-    """Idempotent; a no-op when fairseq already passes weights_only itself."""
+    """Idempotent: fairseq's checkpoint loader and its object broadcast get ``weights_only=False``."""
     from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
 
-    if getattr(checkpoint_utils.torch, "__name__", "") == "torch" and checkpoint_utils.torch is not torch:
-        return  # already patched
-    checkpoint_utils.torch = _trusting_torch()
+    for module in (checkpoint_utils, distributed_utils):
+        if module.torch is torch:  # not patched yet
+            module.torch = _trusting_torch()
 
 
 def restore_numpy_compat_long() -> None:

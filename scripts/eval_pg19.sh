@@ -31,11 +31,15 @@ table="$OUT/extrapolation.tsv"
 printf 'context\tratio\tloss_bits\tppl\n' > "$table.partial"
 for L in "${LENGTHS[@]}"; do
   echo "[recipe] fairseq-eval-lm at context $L" >&2
+  # one process (fairseq-eval-lm would shard the set over every visible GPU and report rank 0's
+  # share); one L-token sample per batch (a context window pads every sample back to L tokens)
   log="$("$BIN/fairseq-eval-lm" "$DATA_DIR" --path "$CHECKPOINT" --user-dir "$USER_DIR" --gen-subset "$SUBSET" \
-    --tokens-per-sample "$L" --max-tokens "$L" --context-window "$CONTEXT_WINDOW" \
+    --tokens-per-sample "$L" --max-tokens "$((L - CONTEXT_WINDOW))" --context-window "$CONTEXT_WINDOW" \
+    --distributed-world-size 1 \
     --model-overrides "{'tokens_per_sample': $L, 'max_target_positions': $L}" "${device[@]}" "$@" 2>&1)" \
     || { echo "$log" | tail -20 >&2; die "fairseq-eval-lm failed at context $L"; }
-  result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: [0-9.e+-]*' | tail -1)"
+  result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: [0-9.e+-]*\|Loss (base 2): [0-9.e+-]*, Perplexity: inf' \
+    | tail -1 || true)"
   [ -n "$result" ] || { echo "$log" | tail -20 >&2; die "no perplexity in fairseq-eval-lm's output"; }
   loss="$(echo "$result" | sed 's/Loss (base 2): \([^,]*\),.*/\1/')"
   ppl="$(echo "$result" | sed 's/.*Perplexity: //')"

@@ -19,7 +19,8 @@ if [ "$DEVICE" = cpu ]; then
   GPUS_PER_NODE=1
   FP16="${FP16:-0}"
 else
-  GPUS_PER_NODE="${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
+  # torch's count follows CUDA_VISIBLE_DEVICES (nvidia-smi -L lists every GPU of the machine)
+  GPUS_PER_NODE="${GPUS_PER_NODE:-$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || true)}"
   [ "${GPUS_PER_NODE:-0}" -ge 1 ] 2>/dev/null || GPUS_PER_NODE=1
   FP16="${FP16:-1}"
 fi
@@ -97,7 +98,7 @@ train() {
     "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
       --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-linattn}" \
       -m fairseq_cli.train "$@" "${common[@]}" --distributed-world-size "$WORLD" 2>&1 | tee -a "$OUT/train.log"
-  else
-    "$BIN/fairseq-train" "$@" "${common[@]}" 2>&1 | tee -a "$OUT/train.log"
+  else  # one process: fairseq would otherwise start one per visible GPU (the batch is split for one)
+    "$BIN/fairseq-train" "$@" "${common[@]}" --distributed-world-size 1 2>&1 | tee -a "$OUT/train.log"
   fi
 }

@@ -125,3 +125,11 @@ def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, t
         if ".matcher.ema_var_" in key:  # statistics folded per micro-batch (1 per rank vs 2 per update)
             continue
         torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+    # resuming: rank 0 loads checkpoint_last.pt and fairseq broadcasts it as a pickle to rank 1
+    more = [*args, "--save-dir", str(tmp_path / "two")]
+    more[more.index("--max-update") + 1] = "6"
+    resumed = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--", *more],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "@ 4 updates" in resumed.stderr + resumed.stdout  # "Loaded checkpoint ... (epoch 1 @ 4 updates)"
+    assert load_model_state(tmp_path / "two" / "checkpoint_last.pt").keys() == a.keys()

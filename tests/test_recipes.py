@@ -247,6 +247,31 @@ def test_update_freq_keeps_the_papers_batch():
     assert config.batch_split(glue, 1, update_freq=4)["effective"] == 128
 
 
+def test_batch_split_keeps_the_total_whole_samples_and_says_when_it_cannot(capsys):
+    roberta = config.load(ROOT / "configs" / "pretrain_wikitext103.yaml")
+    pg19 = config.load(ROOT / "configs" / "pg19_lm.yaml")
+    glue = config.load(ROOT / "configs" / "glue.yaml")
+    for devices in range(1, 33):
+        split = config.batch_split(roberta["batch"], devices)
+        assert split["per_device"] <= 16 and abs(split["effective"] / 2048 - 1) <= 0.01, devices
+        if 2048 % devices == 0:
+            assert split["effective"] == 2048, devices
+        split = config.batch_split(pg19["batch"], devices, granule=config.granule(pg19))
+        assert split["per_device"] == 8192, devices  # one whole 8192-token sample: never fewer tokens
+        if 16 % devices == 0:
+            assert split["effective"] == 2 ** 17, devices
+        # the closest whole-sample batch: no other update-freq comes nearer to 2^17
+        assert all(abs(devices * f - 16) >= abs(split["effective"] // 8192 - 16) for f in range(1, 40))
+    assert config.batch_split(glue["batch"], 3)["effective"] == 33  # 3 x 11 (3 x 10 = 30 is further)
+    assert config.batch_split(glue["batch"], 5)["effective"] == 30
+    config.main(["args", str(ROOT / "configs" / "glue.yaml"), "--task", "mnli", "--devices", "3"])
+    out, err = capsys.readouterr()
+    assert "--batch-size\n11\n--update-freq\n1" in out
+    assert "33 sequences per update, not the paper's 32" in err
+    config.main(["args", str(ROOT / "configs" / "glue.yaml"), "--task", "mnli", "--devices", "8"])
+    assert "not the paper's" not in capsys.readouterr().err
+
+
 def test_configs_hold_the_papers_hyper_parameters():
     pre = config.train_options(config.load(ROOT / "configs" / "pretrain_wikitext103.yaml"))
     assert (pre["tokens-per-sample"], pre["lr"], pre["warmup-updates"], pre["max-update"]) == (512, 5e-4, 10000, 125000)

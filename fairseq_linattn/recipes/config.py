@@ -12,6 +12,7 @@ for the CPU runs on the shipped samples. The scripts call the command line:
 """
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -41,20 +42,38 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def batch_split(batch: dict, devices: int, per_device: Optional[int] = None,
-                update_freq: Optional[int] = None) -> Dict[str, int]:
-    """Per-device batch and update frequency so that per_device x devices x update_freq >= total.
+                update_freq: Optional[int] = None, granule: int = 1) -> Dict[str, int]:
+    """Per-device batch and update frequency whose product with ``devices`` is the paper's total.
 
-    The per-device batch shrinks when the devices alone exceed the total (GLUE's 32 on 8 GPUs)."""
+    The batch is split in whole granules: sequences, or for a token batch samples of ``granule``
+    (= tokens-per-sample) tokens, since fairseq fills ``--max-tokens`` with whole samples. The
+    per-device batch is at most the config's ``per_device`` (memory). The exact total with the fewest
+    accumulation steps wins; without one, the fewest steps within 1 % of the total; where the devices
+    cannot come that close (GLUE's 32 on 3 GPUs, PG-19's 16 samples on 24 GPUs) the closest batch.
+    An explicit ``per_device`` or ``update_freq`` is kept as given and the other one computed.
+    """
     unit, total = batch["unit"], int(batch["total"])
     if unit not in BATCH_UNITS:
         raise ValueError(f"batch.unit must be one of {', '.join(BATCH_UNITS)}, got {unit!r}")
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    per = int(per_device or batch["per_device"])
-    if per_device is None and per * devices > total:
-        per = max(1, total // devices)
-    freq = int(update_freq or math.ceil(total / (per * devices)))
-    return {"per_device": per, "update_freq": freq, "effective": per * devices * freq}
+    if granule < 1 or total % granule:
+        raise ValueError(f"batch.total ({total}) must be a multiple of the tokens per sample ({granule})")
+    samples = total // granule
+    cap = max(1, int(per_device or batch["per_device"]) // granule)
+    if per_device is not None or update_freq is not None:
+        per = cap
+        freq = int(update_freq or math.ceil(samples / (per * devices)))
+    else:
+        splits = []  # (distance from the total, update_freq, per_device)
+        for freq in range(1, math.ceil(samples / devices) + 1):
+            exact = samples / (devices * freq)
+            for per in {min(cap, max(1, math.floor(exact))), min(cap, math.ceil(exact))}:
+                splits.append((abs(per * devices * freq - samples), freq, per))
+        closest = min(s[0] for s in splits)
+        tolerance = 0 if closest == 0 else max(closest, samples // 100)
+        _, freq, per = min((s for s in splits if s[0] <= tolerance), key=lambda s: (s[1], -s[2]))
+    return {"per_device": per * granule, "update_freq": freq, "effective": per * devices * freq * granule}
 
 
 def task_names(config: dict) -> List[str]:
@@ -74,6 +93,13 @@ def train_options(config: dict, task: Optional[str] = None, fp16: bool = True) -
     return options
 
 
+def granule(config: dict, task: Optional[str] = None) -> int:
+    """The unit a batch is made of: 1 sequence, or the tokens of one sample for a token batch."""
+    if config["batch"]["unit"] != "tokens":
+        return 1
+    return int(train_options(config, task, fp16=False)["tokens-per-sample"])
+
+
 def to_argv(options: dict) -> List[str]:
     """{'lr': 1e-5, 'fp16': True, 'x': None} -> ['--lr', '1e-05', '--fp16']."""
     argv = []
@@ -89,7 +115,7 @@ def to_argv(options: dict) -> List[str]:
 def fairseq_args(config: dict, devices: int, task: Optional[str] = None, fp16: bool = True,
                  per_device: Optional[int] = None, update_freq: Optional[int] = None) -> List[str]:
     """Everything the config says, plus the per-device batch and --update-freq."""
-    split = batch_split(config["batch"], devices, per_device, update_freq)
+    split = batch_split(config["batch"], devices, per_device, update_freq, granule(config, task))
     batch_flag = BATCH_UNITS[config["batch"]["unit"]]
     return to_argv(train_options(config, task, fp16)) + [batch_flag, str(split["per_device"]),
                                                          "--update-freq", str(split["update_freq"])]
@@ -125,6 +151,12 @@ def main(argv=None) -> None:
         value = get(config, args.key)
         print(" ".join(map(str, value)) if isinstance(value, (list, dict)) else value)
     else:
+        split = batch_split(config["batch"], args.devices, args.per_device, args.update_freq,
+                            granule(config, args.task))
+        if split["effective"] != config["batch"]["total"]:
+            print(f"[config] note: {args.devices} device(s) x {split['per_device']} x update-freq "
+                  f"{split['update_freq']} = {split['effective']} {config['batch']['unit']} per update, "
+                  f"not the paper's {config['batch']['total']}", file=sys.stderr)
         print("\n".join(fairseq_args(config, args.devices, args.task, not args.no_fp16, args.per_device,
                                      args.update_freq)))
 
