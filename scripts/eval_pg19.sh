@@ -10,8 +10,10 @@ Usage: scripts/eval_pg19.sh CHECKPOINT [fairseq-eval-lm options...]
 Run fairseq-eval-lm on CHECKPOINT (from scripts/train_pg19.sh) at each context length of
 configs/pg19_lm.yaml eval.contexts (8192, 12288, 16384; SAMPLE=1: 128, 192, 256) in
 non-overlapping blocks (--context-window 0), overriding the model's tokens_per_sample and
-max_target_positions. Prints the table (context, loss in bits per token, token-level perplexity)
-and writes it to OUT/extrapolation.tsv [OUT: the checkpoint's directory].
+max_target_positions. Prints the table (context, loss in bits per token, token-level perplexity,
+word-level perplexity 2^(loss x tokens / words) with the words of the raw split that
+prepare_pg19 wrote beside the data, nan without it) and writes it to OUT/extrapolation.tsv
+[OUT: the checkpoint's directory].
 Environment: CONTEXTS ["the config's"], SUBSET [test], CONTEXT_WINDOW [0], DEVICE, SAMPLE, FP16, DATA
 (as for the training scripts).
 USAGE
@@ -28,7 +30,9 @@ device=(); [ "$DEVICE" = cpu ] && device=(--cpu --num-workers 0)
 [ "$DEVICE" != cpu ] && [ "$FP16" = 1 ] && device+=(--fp16)
 mkdir -p "$OUT"
 table="$OUT/extrapolation.tsv"
-printf 'context\tratio\tloss_bits\tppl\n' > "$table.partial"
+raw="$(dirname "$DATA_DIR")/raw/pg19.$SUBSET.txt"  # PG-19 reports perplexity per whitespace word
+words=0; [ -f "$raw" ] && words="$(wc -w < "$raw")"
+printf 'context\tratio\tloss_bits\tppl\tword_ppl\n' > "$table.partial"
 for L in "${LENGTHS[@]}"; do
   echo "[recipe] fairseq-eval-lm at context $L" >&2
   # one process (fairseq-eval-lm would shard the set over every visible GPU and report rank 0's
@@ -44,7 +48,10 @@ for L in "${LENGTHS[@]}"; do
   loss="$(echo "$result" | sed 's/Loss (base 2): \([^,]*\),.*/\1/')"
   ppl="$(echo "$result" | sed 's/.*Perplexity: //')"
   ratio="$(awk -v l="$L" -v b="${LENGTHS[0]}" 'BEGIN{printf "%.2g", l / b}')"
-  printf '%s\t%s\t%s\t%s\n' "$L" "$ratio" "$loss" "$ppl" >> "$table.partial"
+  tokens="$(echo "$log" | grep -o 'Evaluated [0-9,]* tokens' | tail -1 | awk '{gsub(",", "", $2); print $2}' || true)"
+  word_ppl="$(awk -v l="$loss" -v t="${tokens:-0}" -v w="$words" \
+    'BEGIN{if (t > 0 && w > 0) printf "%.2f", 2 ^ (l * t / w); else print "nan"}')"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$L" "$ratio" "$loss" "$ppl" "$word_ppl" >> "$table.partial"
 done
 mv "$table.partial" "$table"
 column -t -s $'\t' "$table" 2>/dev/null || cat "$table"

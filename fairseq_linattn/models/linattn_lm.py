@@ -30,7 +30,11 @@ class LinAttnLanguageModel(TransformerLanguageModel):
         _validate(args)
         if _all_lavo(args) and not getattr(args, "lavo_token_positions", False):
             args.no_token_positional_embeddings = True  # LAVO §4.1: relative bias only
-        stock = super().build_model(args, task)
+        layers, args.decoder_layers = args.decoder_layers, 0  # the stock decoder only lends its embeddings
+        try:
+            stock = super().build_model(args, task)
+        finally:
+            args.decoder_layers = layers
         decoder = LinAttnTransformerDecoder(args, task.target_dictionary, stock.decoder.embed_tokens,
                                             no_encoder_attn=True)
         model = cls(decoder)
