@@ -48,11 +48,16 @@ def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_
     text = doc.read_text()
     assert "<!-- BEGIN attention results -->" in text and "img/benchmark_attention.png" in text
     assert all(f"| {name} |" in text for name in expected)
-    # rendering again from the JSON replaces the section instead of appending a second one
+    # rendering again from the JSON replaces the section instead of appending a second one, and
+    # writes the plot beside that document (img/), not over the repository's docs/img
+    committed = (ROOT / "docs" / "img" / "benchmark_attention.png").read_bytes()
+    plot.unlink()
     subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--from-json",
                     str(tmp_path / "benchmark_attention.json"), "--docs", str(doc)], check=True,
                    capture_output=True, env=ENV, timeout=300)
     assert doc.read_text().count("<!-- BEGIN attention results -->") == 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (ROOT / "docs" / "img" / "benchmark_attention.png").read_bytes() == committed
 
 
 def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):

@@ -22,13 +22,16 @@ def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json:
 
 
 def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, default_plot: Path) -> argparse.Namespace:
-    """--quick overrides the sizes with ``quick`` and writes nothing by default; otherwise the defaults."""
+    """--quick overrides the sizes with ``quick`` and writes nothing by default; otherwise the defaults.
+
+    The default plot goes to ``img/`` beside ``--docs`` when it is given (where the section links it).
+    """
     if args.quick:
         for key, value in quick.items():
             setattr(args, key, value)
     else:
         args.json = args.json or default_json
-        args.plot = args.plot or default_plot
+        args.plot = args.plot or (args.docs.parent / "img" / default_plot.name if args.docs else default_plot)
     return args
 
 
