@@ -344,6 +344,12 @@ def test_report_reads_fairseq_logs_and_writes_tables_and_plots(tmp_path):
     log = report.read_log(tmp_path / "mnli" / "lln" / "train.log")
     assert [len(log[t]) for t in report.TAGS] == [2, 1, 2, 1]
     assert report.glue_summary("lln", [tmp_path / "mnli" / "lln"]).splitlines()[2] == "| lln | 64.5/63.2 |"
+    # mismatched is read at the update of the best matched accuracy (the checkpoint fairseq keeps)
+    fake_log(tmp_path / "mnli" / "lln_diag" / "train.log", [3, 2], [(2, 1.5, 61.0), (4, 1.2, 64.5)],
+             [{"epoch": 1, "valid1_loss": "1.4", "valid1_accuracy": "66.0", "valid1_num_updates": "2"},
+              {"epoch": 1, "valid1_loss": "1.3", "valid1_accuracy": "63.0", "valid1_num_updates": "4"}])
+    assert report.glue_summary("lln_diag", [tmp_path / "mnli" / "lln_diag"]).splitlines()[2] == \
+        "| lln_diag | 64.5/63.0 |"
 
     run = tmp_path / "run"
     stages = (("pretrain", ["softmax", "lln"]), ("finetune", ["softmax", "lln"]), ("lm", ["softmax", "lavo"]))

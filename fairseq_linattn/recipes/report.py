@@ -87,9 +87,13 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 
 
 def glue_accuracy(task: str, log: Dict[str, List[dict]]) -> str:
-    """Best validation accuracy; MNLI as matched/mismatched."""
+    """Best validation accuracy; MNLI as matched/mismatched, both of the best matched checkpoint."""
     if task == "mnli":
-        return f"{_fmt(best(log['valid'], 'accuracy'), 1)}/{_fmt(best(log['valid1'], 'accuracy'), 1)}"
+        matched = curve(log["valid"], "accuracy")
+        if not matched:
+            return "—/—"
+        at, accuracy = max(matched, key=lambda point: point[1])  # the first best, as fairseq keeps it
+        return f"{_fmt(accuracy, 1)}/{_fmt(dict(curve(log['valid1'], 'accuracy')).get(at), 1)}"
     return _fmt(best(log["valid"], "accuracy"), 1)
 
 
