@@ -42,8 +42,7 @@ for L in "${LENGTHS[@]}"; do
     --distributed-world-size 1 \
     --model-overrides "{'tokens_per_sample': $L, 'max_target_positions': $L}" "${device[@]}" "$@" 2>&1)" \
     || { echo "$log" | tail -20 >&2; die "fairseq-eval-lm failed at context $L"; }
-  result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: [0-9.e+-]*\|Loss (base 2): [0-9.e+-]*, Perplexity: inf' \
-    | tail -1 || true)"
+  result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: \(inf\|[0-9.e+-]*\)' | tail -1 || true)"
   [ -n "$result" ] || { echo "$log" | tail -20 >&2; die "no perplexity in fairseq-eval-lm's output"; }
   loss="$(echo "$result" | sed 's/Loss (base 2): \([^,]*\),.*/\1/')"
   ppl="$(echo "$result" | sed 's/.*Perplexity: //')"

@@ -113,9 +113,10 @@ def to_argv(options: dict) -> List[str]:
 
 
 def fairseq_args(config: dict, devices: int, task: Optional[str] = None, fp16: bool = True,
-                 per_device: Optional[int] = None, update_freq: Optional[int] = None) -> List[str]:
-    """Everything the config says, plus the per-device batch and --update-freq."""
-    split = batch_split(config["batch"], devices, per_device, update_freq, granule(config, task))
+                 per_device: Optional[int] = None, update_freq: Optional[int] = None,
+                 split: Optional[Dict[str, int]] = None) -> List[str]:
+    """Everything the config says, plus the per-device batch and --update-freq (of ``split`` if given)."""
+    split = split or batch_split(config["batch"], devices, per_device, update_freq, granule(config, task))
     batch_flag = BATCH_UNITS[config["batch"]["unit"]]
     return to_argv(train_options(config, task, fp16)) + [batch_flag, str(split["per_device"]),
                                                          "--update-freq", str(split["update_freq"])]
@@ -157,8 +158,7 @@ def main(argv=None) -> None:
             print(f"[config] note: {args.devices} device(s) x {split['per_device']} x update-freq "
                   f"{split['update_freq']} = {split['effective']} {config['batch']['unit']} per update, "
                   f"not the paper's {config['batch']['total']}", file=sys.stderr)
-        print("\n".join(fairseq_args(config, args.devices, args.task, not args.no_fp16, args.per_device,
-                                     args.update_freq)))
+        print("\n".join(fairseq_args(config, args.devices, args.task, not args.no_fp16, split=split)))
 
 
 if __name__ == "__main__":
