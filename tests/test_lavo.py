@@ -192,6 +192,41 @@ def test_lavo_decode_steps_equal_causal_forward(dtype, tol, w, n):
     torch.testing.assert_close(torch.cat(steps, 2), full, rtol=tol, atol=tol)
 
 
+def _decode_masks(n):
+    """(3, N) masks: left-padded, right-padded, and padding on both sides and in the middle."""
+    mask = torch.zeros(3, n, dtype=torch.bool)
+    mask[0, : n // 2] = True
+    mask[1, n - n // 3:] = True
+    mask[2, :2] = mask[2, n // 2] = mask[2, -1] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("w,n", [(4, 13), (3, 9), (1, 5), (8, 11)])
+def test_lavo_decode_steps_with_padding_equal_padded_causal_forward(dtype, tol, w, n):
+    """Each step gets its (B, 1) padding mask (None when the step has none, as fairseq's decoder passes
+    it); padded tokens (huge values) never enter a window or the memory: real outputs match."""
+    r = 5
+    q, k, v, bases, pos_bias = _inputs(n, w, r, dtype=dtype, b=3)
+    mask = _decode_masks(n)
+    k, v = (x.masked_fill(mask[:, None, :, None], 1e3) for x in (k, v))
+    full = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True, key_padding_mask=mask)
+    ref = lavo_attention_reference(q.double(), k.double(), v.double(), bases.double(), pos_bias.double(),
+                                   window=w, causal=True, key_padding_mask=mask)
+    state = lavo_init_state(3, H, D, r, window=w, dtype=dtype)
+    steps = []
+    for t in range(n):
+        step_mask = mask[:, t:t + 1] if mask[:, t].any() else None
+        out, state = lavo_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], bases, pos_bias,
+                                      state, window=w, key_padding_mask=step_mask)
+        steps.append(out)
+    real = ~mask[:, None, :, None].expand_as(full)
+    steps = torch.cat(steps, 2)
+    assert torch.isfinite(steps).all()
+    assert rel_err(steps[real], full[real]) < tol
+    assert rel_err(steps[real].double(), ref[real]) < tol
+
+
 def test_lavo_decode_state_reorders_by_index_select():
     """Beam reordering = index_select on dim 0 of every state tensor, then decoding continues correctly."""
     w, n, r = 3, 8, 4

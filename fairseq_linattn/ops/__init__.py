@@ -7,7 +7,8 @@ from .block_softmax import block_softmax_attention, block_softmax_attention_refe
 from .lln import lln_attention, lln_attention_reference
 from .lln_diag import lln_diag_attention, lln_diag_attention_reference
 # -- more ops are imported below, one line each --
-from .lavo import lavo_attention, lavo_attention_reference, lavo_cross_attention, lavo_cross_attention_reference, lavo_decode_step, lavo_init_bases, lavo_init_state
+from .lavo import (lavo_attention, lavo_attention_reference, lavo_cross_attention, lavo_cross_attention_reference,
+                   lavo_cross_memory, lavo_cross_readout, lavo_decode_step, lavo_init_bases, lavo_init_state)
 from .kernelized import kernelized_attention, kernelized_attention_reference, kernelized_kernel_matrix
 from .skyformer import skyformer_attention, skyformer_attention_reference, skyformer_kernel_matrix
 from .moment_matching import MomentMatcher, exact_moment_table, fit_moment_constants, lln_alpha_beta

@@ -290,26 +290,53 @@ def _check_cross(q, k_src, v_src, bases, key_padding_mask) -> Optional[Tensor]:
 
 
 @autocast_off
+def lavo_cross_memory(v_src: Tensor, bases: Tensor, *, key_padding_mask: Optional[Tensor] = None
+                      ) -> Tuple[Tensor, Tensor]:
+    """The source memory of LAVO cross-attention: H = mean_j (B v_j) over non-padded j (LAVO eq. 3).
+
+    v_src (B,H,S,D), bases (H,r,D) -> (mean (B,H,r), count (B,)) in the compute dtype (fp32 for half
+    inputs). All a decoder needs of the source: ``lavo_cross_readout`` answers any query from it. O(S r D).
+    """
+    check_qkv(v_src, v_src, v_src)
+    _check_bases(bases, v_src.shape[1], v_src.shape[-1])
+    key_padding_mask = check_key_padding_mask(key_padding_mask, v_src)
+    ct = compute_dtype(v_src)
+    tok = torch.ones(v_src.shape[0], v_src.shape[2], dtype=ct, device=v_src.device)
+    if key_padding_mask is not None:
+        tok = (~key_padding_mask).to(ct)
+    cnt = tok.sum(1)
+    bv = torch.einsum("bhsd,hrd->bhsr", v_src.to(ct), bases.to(ct)) * tok[:, None, :, None]
+    return bv.sum(2) / cnt.clamp_min(1)[:, None, None], cnt
+
+
+@autocast_off
+def lavo_cross_readout(q: Tensor, mean: Tensor, count: Tensor, bases: Tensor) -> Tensor:
+    """softmax(Q Xtil^T/sqrt(D)) Xtil with Xtil = B ⊙ mean (LAVO eq. 4): q (B,H,N,D) -> (B,H,N,D).
+
+    ``mean``, ``count`` from ``lavo_cross_memory``; a row with no source token (count 0) gives 0. O(N r D).
+    """
+    b, h, _, d = q.shape
+    _check_bases(bases, h, d)
+    if tuple(mean.shape) != (b, h, bases.shape[1]) or tuple(count.shape) != (b,):
+        raise ValueError(f"mean and count must have shapes (B, H, r) = {(b, h, bases.shape[1])} and (B,) = {(b,)} "
+                         f"(from lavo_cross_memory), got {tuple(mean.shape)} and {tuple(count.shape)}")
+    ct = mean.dtype
+    qb = torch.einsum("bhnd,hrd->bhnr", q.to(ct), bases.to(ct))
+    out = _memory_readout(qb, mean[:, :, None, :], bases.to(ct), 1.0 / math.sqrt(d))
+    return (out * (count > 0).to(ct)[:, None, None, None]).to(q.dtype)
+
+
 def lavo_cross_attention(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
                          key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """LAVO cross-attention (§3.4): softmax(Q Xtil^T/sqrt(D)) Xtil, Xtil = B ⊙ mean_j(B v_j), no local part.
 
     q (B,H,N,D), k_src (B,H,S,D), v_src (B,H,S,D), bases (H,r,D) -> (B,H,N,D). CODE uses the
-    source *values* only (SPEC §6); k_src is checked for shape but does not enter the output.
+    source *values* only (LAVO §3.4); k_src is checked for shape but does not enter the output.
     Padded source tokens are left out of the mean; with no source token the output is 0. O((N+S) r D).
     """
     key_padding_mask = _check_cross(q, k_src, v_src, bases, key_padding_mask)
-    ct = compute_dtype(q)
-    q_, v_, bases_ = q.to(ct), v_src.to(ct), bases.to(ct)
-    tok = torch.ones(v_src.shape[0], v_src.shape[2], dtype=ct, device=q.device)
-    if key_padding_mask is not None:
-        tok = (~key_padding_mask).to(ct)
-    cnt = tok.sum(1)
-    bv = torch.einsum("bhsd,hrd->bhsr", v_, bases_) * tok[:, None, :, None]
-    mean = bv.sum(2) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
-    qb = torch.einsum("bhnd,hrd->bhnr", q_, bases_)
-    out = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(q.shape[-1]))
-    return (out * (cnt > 0).to(ct)[:, None, None, None]).to(q.dtype)
+    mean, count = lavo_cross_memory(v_src, bases, key_padding_mask=key_padding_mask)
+    return lavo_cross_readout(q, mean, count, bases)
 
 
 def lavo_cross_attention_reference(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
@@ -336,10 +363,13 @@ def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: i
                     dtype: torch.dtype = torch.float32, device=None) -> Dict[str, Tensor]:
     """Empty decoding state for ``lavo_decode_step`` (half dtypes are kept in float32).
 
-    - ``prev_key``, ``prev_value`` (B,H,w-1,D): the last w-1 keys/values (zeros before the start)
-    - ``mem_sum`` (B,H,r), ``mem_count`` (B,): sum of B x_t over completed windows and its token count
-    - ``window_sum`` (B,H,r): sum of B x_t over the current window's tokens so far
-    - ``position`` (B,) long: index t of the next token
+    - ``prev_key``, ``prev_value`` (B,H,w-1,D): the last w-1 keys/values
+    - ``prev_key_padding_mask`` (B,w-1) bool: True where that slot holds no real token (padding, or
+      before the start)
+    - ``mem_sum`` (B,H,r), ``mem_count`` (B,): sum of B x_t over the real tokens of completed windows
+      and their number
+    - ``window_sum`` (B,H,r), ``window_count`` (B,): the same over the current window's real tokens so far
+    - ``position`` (B,) long: index t of the next token (padding counts: windows are by position)
     Every tensor has the batch on dim 0, so beam reordering is
     ``{name: t.index_select(0, new_order) for name, t in state.items()}``.
     """
@@ -350,21 +380,26 @@ def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: i
     return {
         "prev_key": torch.zeros(batch_size, num_heads, window - 1, head_dim, **kv),
         "prev_value": torch.zeros(batch_size, num_heads, window - 1, head_dim, **kv),
+        "prev_key_padding_mask": torch.ones(batch_size, window - 1, dtype=torch.bool, device=device),
         "mem_sum": torch.zeros(batch_size, num_heads, num_bases, **kv),
         "mem_count": torch.zeros(batch_size, **kv),
         "window_sum": torch.zeros(batch_size, num_heads, num_bases, **kv),
+        "window_count": torch.zeros(batch_size, **kv),
         "position": torch.zeros(batch_size, dtype=torch.long, device=device),
     }
 
 
 @autocast_off
 def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_bias: Tensor,
-                     state: Dict[str, Tensor], *, window: int) -> Tuple[Tensor, Dict[str, Tensor]]:
+                     state: Dict[str, Tensor], *, window: int, key_padding_mask: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """One causal LAVO token: q_t, k_t, v_t (B,H,1,D) -> (out (B,H,1,D), new_state); O(w D + r D).
 
-    Equals ``lavo_attention(..., causal=True)`` at position ``state["position"]`` (no key padding).
+    ``key_padding_mask`` (B,1), True where this token is padding (None: all real): a padded token
+    enters neither a later window nor the memory. Equals ``lavo_attention(..., causal=True,
+    key_padding_mask=...)`` at position ``state["position"]`` on real tokens.
     """
-    w, _ = _check_lavo(q_t, k_t, v_t, bases, pos_bias, window, None)
+    w, key_padding_mask = _check_lavo(q_t, k_t, v_t, bases, pos_bias, window, key_padding_mask)
     b, h, n, d = q_t.shape
     if n != 1:
         raise ValueError(f"q_t, k_t, v_t must hold one token, shape (B, H, 1, D), got {tuple(q_t.shape)}")
@@ -373,27 +408,31 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
                          f"got {tuple(state['prev_key'].shape)} (was the state made with this window?)")
     ct = state["mem_sum"].dtype
     q, k, v, bases_, pos_bias_ = (x.to(ct) for x in (q_t, k_t, v_t, bases, pos_bias))
+    pad = torch.zeros(b, 1, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     pos = state["position"]
     keys = torch.cat([state["prev_key"], k], dim=2)  # positions t-w+1 .. t
     values = torch.cat([state["prev_value"], v], dim=2)
-    slot = torch.arange(w, device=q.device)
-    allowed = (slot[None, :] >= (w - 1 - pos)[:, None])[:, None, None, :]  # slot c holds t-(w-1)+c >= 0
+    key_pad = torch.cat([state["prev_key_padding_mask"], pad], dim=1)  # (B,w)
     scores = q @ keys.transpose(-1, -2) / math.sqrt(d) + pos_bias_[:, None, :w]  # P[j - t + w - 1] = P[c]
-    x = _masked_softmax(scores, allowed) @ values  # F_local,t
+    x = _masked_softmax(scores, ~key_pad[:, None, None, :]) @ values  # F_local,t
     mem_count = state["mem_count"]
     mean = state["mem_sum"] / mem_count.clamp_min(1)[:, None, None]
     qb = torch.einsum("bhnd,hrd->bhnr", q, bases_)
     glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(d))
     out = torch.where((mem_count > 0)[:, None, None, None], 0.5 * (x + glob), x)
 
-    window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_)
-    ends = ((pos + 1) % w == 0)[:, None, None]  # this token completes its window: fold it into memory
+    real = (~pad[:, 0]).to(ct)  # a padded token's x_t stays out of the memory (LAVO eq. 3 over real tokens)
+    window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_) * real[:, None, None]
+    window_count = state["window_count"] + real
+    ends = (pos + 1) % w == 0  # this token completes its window: fold it into memory
     new_state = {
         "prev_key": keys[:, :, 1:],
         "prev_value": values[:, :, 1:],
-        "mem_sum": torch.where(ends, state["mem_sum"] + window_sum, state["mem_sum"]),
-        "mem_count": mem_count + ends[:, 0, 0].to(ct) * w,
-        "window_sum": torch.where(ends, torch.zeros_like(window_sum), window_sum),
+        "prev_key_padding_mask": key_pad[:, 1:],
+        "mem_sum": torch.where(ends[:, None, None], state["mem_sum"] + window_sum, state["mem_sum"]),
+        "mem_count": torch.where(ends, mem_count + window_count, mem_count),
+        "window_sum": torch.where(ends[:, None, None], torch.zeros_like(window_sum), window_sum),
+        "window_count": torch.where(ends, torch.zeros_like(window_count), window_count),
         "position": pos + 1,
     }
     return out.to(q_t.dtype), new_state
