@@ -66,17 +66,28 @@ class AttentionBase(nn.Module):
                 key_padding_mask: Optional[Tensor] = None, incremental_state=None, need_weights: bool = True,
                 static_kv: bool = False, attn_mask: Optional[Tensor] = None, before_softmax: bool = False,
                 need_head_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """query (T, B, C), key/value (S, B, C) -> ((T, B, C), weights or None), as fairseq's MHA."""
+        """query (T, B, C), key/value (S, B, C) -> ((T, B, C), weights or None), as fairseq's MHA.
+
+        Decoding (``incremental_state``): a causal module takes its tokens one at a time with a (B, T)
+        or (B, 1) ``key_padding_mask`` for them (or None when they are all real, as fairseq's decoder
+        passes it); a module that caches its source (``static_kv``) reads it once per source.
+        """
         if before_softmax:
             raise ValueError(f"{self.method} attention has no pre-softmax scores (before_softmax=True)")
-        if attn_mask is not None and not self.causal:
-            raise ValueError(f"{self.method} attention supports key_padding_mask only, not an arbitrary "
-                             "attn_mask (a causal model builds a causal module instead)")
         key = query if key is None else key
         value = key if value is None else value
         t, b, _ = query.shape
-        q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
-        if incremental_state is not None and self.causal:
+        attn_mask = self._accepted_attn_mask(attn_mask, t, key.shape[0], incremental_state is not None)
+        q = self._heads(self.q_proj(query))
+        k = None
+        if incremental_state is not None and static_kv and self.caches_source:
+            state = self._get_input_buffer(incremental_state)
+            if not state:  # first step of this source: read it once, keep what the method needs of it
+                state = self.source_state(self._heads(self.v_proj(value)), key_padding_mask)
+                self._set_input_buffer(incremental_state, state)
+            out = self.attend_source(q, state)
+        elif incremental_state is not None and self.causal:
+            k, v = self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
             state = self._get_input_buffer(incremental_state)
             outs = []
             for i in range(t):  # fairseq feeds one token per step; a longer prompt goes token by token
@@ -86,20 +97,52 @@ class AttentionBase(nn.Module):
             self._set_input_buffer(incremental_state, state)
             out = torch.cat(outs, 2)
         else:
-            out = self.attend(q, k, v, key_padding_mask)
+            k = self._heads(self.k_proj(key)) if self.uses_keys else None
+            out = self.attend(q, k, self._heads(self.v_proj(value)), key_padding_mask, attn_mask)
         out = out.permute(2, 0, 1, 3).reshape(t, b, self.embed_dim)
         weights = None
         if (need_weights or need_head_weights) and incremental_state is None:
-            weights = self.attention_weights(q, k, key_padding_mask)  # (B, H, T, S) where the method has them
+            weights = self.attention_weights(q, k, key_padding_mask, attn_mask)  # (B, H, T, S) if the method has them
             if weights is not None:  # fairseq's layout: (H, B, T, S) per head, else the mean over heads
                 weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)
         return self.out_proj(out), weights
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-        """Full-sequence attention on (B, H, N, D) tensors."""
+    takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
+    uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
+    caches_source = False  # True for a cross-attention that keeps only a summary of its source
+
+    def _accepted_attn_mask(self, attn_mask: Optional[Tensor], t: int, s: int, decoding: bool) -> Optional[Tensor]:
+        """The attn_mask ``attend`` must apply: None when there is none or it is the future mask a causal
+        module applies anyway (fairseq's ``buffered_future_mask``); any other mask is refused, never dropped."""
+        if attn_mask is None:
+            return None
+        if self.causal and not decoding and is_future_mask(attn_mask, t, s):
+            return None
+        takers = [name for name, cls in ATTENTION_CLASSES.items() if cls.takes_attn_mask]
+        if self.takes_attn_mask and not decoding:
+            return attn_mask
+        what = "the standard causal (future) mask only" if self.causal else "no attn_mask"
+        raise ValueError(
+            f"{'causal ' if self.causal else ''}{self.method} attention takes {what}"
+            f"{' (and none while decoding)' if self.causal or decoding else ''}, got a {tuple(attn_mask.shape)} "
+            f"attn_mask that differs from it; an arbitrary attn_mask is taken by: {', '.join(takers)} "
+            f"(--encoder-attention-type / --decoder-attention-type)")
+
+    def attend(self, q: Tensor, k: Optional[Tensor], v: Tensor, key_padding_mask: Optional[Tensor],
+               attn_mask: Optional[Tensor] = None) -> Tensor:
+        """Full-sequence attention on (B, H, N, D) tensors (``attn_mask`` only where ``takes_attn_mask``)."""
         raise NotImplementedError
 
-    def attention_weights(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+    def source_state(self, v: Tensor, key_padding_mask: Optional[Tensor]) -> State:
+        """What a source-caching cross-attention keeps of its source values (B, H, S, D) while decoding."""
+        raise NotImplementedError
+
+    def attend_source(self, q: Tensor, state: State) -> Tensor:
+        """Cross-attention of queries (B, H, T, D) to the source kept by ``source_state``."""
+        raise NotImplementedError
+
+    def attention_weights(self, q: Tensor, k: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                          attn_mask: Optional[Tensor] = None) -> Optional[Tensor]:
         """The (B, H, T, S) attention matrix for ``need_weights``; None for methods that never form it
         (``fairseq_linattn.analysis`` materialises theirs for analysis)."""
         return None
@@ -143,6 +186,19 @@ class AttentionBase(nn.Module):
         return incremental_state
 
 
+def is_future_mask(attn_mask: Tensor, t: int, s: int) -> bool:
+    """True if ``attn_mask`` is fairseq's (T, T) future mask: -inf (or True) above the diagonal, 0 (False) on
+    and below it. O(T²) like the mask itself; fairseq_linattn's own decoders pass none."""
+    if tuple(attn_mask.shape) != (t, s) or t != s:
+        return False
+    future = torch.ones(t, t, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return bool(torch.equal(attn_mask, future))
+    if not attn_mask.is_floating_point():
+        return False
+    return bool(torch.equal(torch.isneginf(attn_mask), future) and (attn_mask.masked_fill(future, 0) == 0).all())
+
+
 def ops_causal_methods():
     return [name for name, cls in ATTENTION_CLASSES.items() if cls.supports_causal]
 
@@ -151,13 +207,16 @@ class SoftmaxAttention(AttentionBase):
     """Exact scaled-dot-product attention; equals fairseq's MultiheadAttention with the same weights."""
 
     method = "softmax"
+    takes_attn_mask = True
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         p = self.dropout if self.training else 0.0
-        return ops.softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=p)
+        return ops.softmax_attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask,
+                                     attn_mask=attn_mask, dropout_p=p)
 
-    def attention_weights(self, q, k, key_padding_mask):
-        return ops.softmax_attention_weights(q, k, causal=self.causal, key_padding_mask=key_padding_mask)
+    def attention_weights(self, q, k, key_padding_mask, attn_mask=None):
+        return ops.softmax_attention_weights(q, k, causal=self.causal, key_padding_mask=key_padding_mask,
+                                             attn_mask=attn_mask)
 
     def step(self, q, k, v, key_padding_mask, state):
         if "prev_key" in state:
@@ -194,7 +253,7 @@ class LLNAttention(AttentionBase):
         return ops.lln_attention(q, k, v, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
                                  chunk_size=self.chunk_size)
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return self.lln(q, k, v, key_padding_mask)
 
     def lln_step(self, q, k, v, key_padding_mask, state):
@@ -226,7 +285,7 @@ class LLNDiagAttention(LLNAttention):
         self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
         self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         lln = self.lln(q, k, v, key_padding_mask)
         diag = ops.block_softmax_attention(q, k, v, block_size=self.block_size, causal=self.causal,
                                            key_padding_mask=key_padding_mask)
@@ -254,7 +313,7 @@ class KernelizedAttention(AttentionBase):
     method = "kernelized"
     supports_causal = False
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
 
 
@@ -271,7 +330,7 @@ class SkyformerAttention(AttentionBase):
         self.landmark_mode = opts.get("skyformer_landmark_mode", "stratified")
         self.exact_inverse = opts.get("skyformer_exact_inverse", False)
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
                                        mode=self.landmark_mode, exact_inverse=self.exact_inverse,
                                        training=self.training)
@@ -290,21 +349,31 @@ class LAVOAttention(AttentionBase):
         if r > self.head_dim:
             raise ValueError(f"--lavo-bases must be <= head dim {self.head_dim}, got {r}")
         self.cross = cross
+        self.uses_keys, self.caches_source = not cross, cross  # cross-attention reads source values only (§3.4)
         self.bases = nn.Parameter(ops.lavo_init_bases(num_heads, r, self.head_dim),
                                   requires_grad=not opts.get("lavo_freeze_bases", False))
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
 
-    def attend(self, q, k, v, key_padding_mask):
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         if self.cross:
-            return ops.lavo_cross_attention(q, k, v, self.bases, key_padding_mask=key_padding_mask)
+            return self.attend_source(q, self.source_state(v, key_padding_mask))
         return ops.lavo_attention(q, k, v, self.bases, self.pos_bias, window=self.window, causal=self.causal,
                                   key_padding_mask=key_padding_mask)
+
+    def source_state(self, v, key_padding_mask):
+        """The source memory (LAVO eq. 3): mean (B, H, r) of B v_j over real source tokens, and their count (B,)."""
+        mean, count = ops.lavo_cross_memory(v, self.bases, key_padding_mask=key_padding_mask)
+        return {"source_memory": mean, "source_count": count}
+
+    def attend_source(self, q, state):
+        return ops.lavo_cross_readout(q, state["source_memory"], state["source_count"], self.bases)
 
     def step(self, q, k, v, key_padding_mask, state):
         if not state:
             state = ops.lavo_init_state(q.shape[0], self.num_heads, self.head_dim, self.bases.shape[1],
                                         window=self.window, dtype=q.dtype, device=q.device)
-        return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window)
+        return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window,
+                                    key_padding_mask=key_padding_mask)
 
 
 ATTENTION_CLASSES = {cls.method: cls for cls in (SoftmaxAttention, LLNAttention, LLNDiagAttention,

@@ -87,3 +87,8 @@ class LinAttnTransformerDecoder(TransformerDecoder):
         cfg = TransformerConfig.from_namespace(args)
         method = self.layer_attention_types[next(self._next_layer)]
         return _wrap(LinAttnDecoderLayer(cfg, method, attention_opts(self.args), no_encoder_attn), cfg)
+
+    def buffered_future_mask(self, tensor):
+        """None: every self-attention built here is causal by construction, so the (T, T) mask fairseq
+        would build and keep (O(T²) memory, 1 GiB at T = 16K) is never needed."""
+        return None

@@ -1,4 +1,4 @@
-"""Softmax attention: the baseline every linear method is compared against (SPEC §2)."""
+"""Softmax attention: the baseline every linear method is compared against (Vaswani et al. eq. 1)."""
 import math
 from typing import Optional
 
@@ -21,38 +21,84 @@ def _allowed(q: Tensor, k: Tensor, causal: bool, key_padding_mask: Optional[Tens
     return allowed
 
 
+def check_attn_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """fairseq's ``attn_mask`` (N, S): float added to the scores (-inf blocks) or bool (True blocks).
+
+    Returned as an additive float mask in q's compute dtype, or None.
+    """
+    if attn_mask is None:
+        return None
+    n, s = q.shape[2], k.shape[2]
+    if not isinstance(attn_mask, Tensor) or tuple(attn_mask.shape) != (n, s):
+        shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+        raise ValueError(f"attn_mask must have shape (N, S) = {(n, s)}, got {shape}")
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(n, s, dtype=q.dtype, device=q.device).masked_fill(attn_mask, float("-inf"))
+    if not attn_mask.is_floating_point():
+        raise ValueError(f"attn_mask must be float (added to the scores) or bool (True = blocked), "
+                         f"got dtype {attn_mask.dtype}")
+    return attn_mask.to(q.dtype)
+
+
+def _scores_bias(q: Tensor, k: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
+                 attn_mask: Optional[Tensor]):
+    """(bias (B,1,N,S) float or bool for SDPA, has_key (B,1,N,1) or None): every mask in one, rows with no
+    allowed key opened (SDPA would give NaN there) and reported so their output can be set to 0."""
+    allowed = _allowed(q, k, causal, key_padding_mask)
+    bias = check_attn_mask(attn_mask, q, k)
+    if bias is None:
+        if allowed is None:
+            return None, None
+        has_key = allowed.any(-1, keepdim=True)
+        return allowed | ~has_key, has_key
+    blocked = torch.isneginf(bias)
+    allowed = ~blocked if allowed is None else allowed & ~blocked
+    has_key = allowed.any(-1, keepdim=True)
+    bias = bias.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    return bias, has_key
+
+
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                      key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v through ``scaled_dot_product_attention``.
+                      key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                      dropout_p: float = 0.0) -> Tensor:
+    """softmax(q k^T / sqrt(D) + attn_mask) v through ``scaled_dot_product_attention``.
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Causal alignment is bottom-right
-    (query i sees keys j <= i + S - N). Queries with no allowed key get 0, never NaN.
+    (query i sees keys j <= i + S - N). ``attn_mask`` (N,S) as fairseq's: float added to the scores,
+    or bool with True = blocked. Queries with no allowed key get 0, never NaN.
     ``dropout_p`` drops attention weights (training only; the modules pass it).
     """
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    if key_padding_mask is None and (not causal or q.shape[2] == k.shape[2]):
+    if key_padding_mask is None and attn_mask is None and (not causal or q.shape[2] == k.shape[2]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
-    allowed = _allowed(q, k, causal, key_padding_mask)
-    has_key = allowed.any(-1, keepdim=True)
-    # a row with no allowed key would make SDPA return NaN (and NaN gradients): open it, then zero it
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, dropout_p=dropout_p)
-    return out.masked_fill(~has_key, 0.0)
+    bias, has_key = _scores_bias(q, k, causal, key_padding_mask, attn_mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    return out if has_key is None else out.masked_fill(~has_key, 0.0)
 
 
 def softmax_attention_weights(q: Tensor, k: Tensor, *, causal: bool = False,
-                              key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """The materialised matrix P = softmax(q k^T / sqrt(D)) (B,H,N,S); rows with no allowed key are 0."""
+                              key_padding_mask: Optional[Tensor] = None,
+                              attn_mask: Optional[Tensor] = None) -> Tensor:
+    """The materialised matrix P = softmax(q k^T / sqrt(D) + attn_mask) (B,H,N,S); rows with no allowed key are 0."""
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    bias = check_attn_mask(attn_mask, q, k)
+    if bias is not None:
+        scores = scores + bias
     allowed = _allowed(q, k, causal, key_padding_mask)
-    if allowed is None:
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if bias is None and allowed is None:
         return torch.softmax(scores, -1)
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    has_key = (~torch.isneginf(scores)).any(-1, keepdim=True)  # NaN scores stay NaN: nothing hidden
+    return torch.softmax(scores, -1).masked_fill(~has_key, 0.0)
 
 
 def softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                                key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                                key_padding_mask: Optional[Tensor] = None,
+                                attn_mask: Optional[Tensor] = None) -> Tensor:
     """Materialised softmax(q k^T / sqrt(D)) v (Vaswani et al. eq. 1), in q's dtype."""
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    return softmax_attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask) @ v
+    return softmax_attention_weights(q, k, causal=causal, key_padding_mask=key_padding_mask,
+                                     attn_mask=attn_mask) @ v
