@@ -226,3 +226,26 @@ def test_relative_log_moments_put_causal_rows_on_one_scale():
     raw, rel = log_moments(full), log_moments(full, relative=True)
     torch.testing.assert_close(rel[0], raw[0] + math.log(N))
     torch.testing.assert_close(rel[1], raw[1])
+
+
+def test_log_moments_of_a_2x2_matrix_by_hand():
+    # population moments (divide by n, not n - 1) of ln P over the positive entries
+    P = torch.tensor([[0.25, 0.75], [0.5, 0.5]], dtype=F64)
+    logs = [math.log(0.25), math.log(0.75), math.log(0.5), math.log(0.5)]
+    mean = sum(logs) / 4
+    var = sum((x - mean) ** 2 for x in logs) / 4
+    got_mean, got_var = log_moments(P)
+    assert got_mean.item() == pytest.approx(mean, rel=1e-12) and got_var.item() == pytest.approx(var, rel=1e-12)
+    # a zero (masked) entry is left out: n = 3
+    Z = torch.tensor([[1.0, 0.0], [0.2, 0.8]], dtype=F64)
+    logs = [0.0, math.log(0.2), math.log(0.8)]
+    mean = sum(logs) / 3
+    got_mean, got_var = log_moments(Z)
+    assert got_mean.item() == pytest.approx(mean, rel=1e-12)
+    assert got_var.item() == pytest.approx(sum((x - mean) ** 2 for x in logs) / 3, rel=1e-12)
+    # relative: ln(n_i P_ij) with n = (1, 2) positive entries per row
+    logs = [0.0, math.log(0.4), math.log(1.6)]
+    mean = sum(logs) / 3
+    got_mean, got_var = log_moments(Z, relative=True)
+    assert got_mean.item() == pytest.approx(mean, rel=1e-12)
+    assert got_var.item() == pytest.approx(sum((x - mean) ** 2 for x in logs) / 3, rel=1e-12)
