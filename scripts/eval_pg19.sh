@@ -13,9 +13,10 @@ non-overlapping blocks (--context-window 0), overriding the model's tokens_per_s
 max_target_positions. Prints the table (context, loss in bits per token, token-level perplexity,
 word-level perplexity 2^(loss x tokens / words) with the words of the raw split that
 prepare_pg19 wrote beside the data, nan without it) and writes it to OUT/extrapolation.tsv
-[OUT: the checkpoint's directory].
+[OUT: the checkpoint's directory]. The printed table adds LAVO Table 2's perplexity at the same
+ratio to the first context ("paper ppl"; softmax: the FlashAttention row, lavo: LAVO, others: —).
 Environment: CONTEXTS ["the config's"], SUBSET [test], CONTEXT_WINDOW [0], DEVICE, SAMPLE, FP16, DATA
-(as for the training scripts).
+(as for the training scripts), ATTN [the checkpoint's decoder attention type] for the paper column.
 USAGE
 }
 case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
@@ -53,5 +54,6 @@ for L in "${LENGTHS[@]}"; do
   printf '%s\t%s\t%s\t%s\t%s\n' "$L" "$ratio" "$loss" "$ppl" "$word_ppl" >> "$table.partial"
 done
 mv "$table.partial" "$table"
-column -t -s $'\t' "$table" 2>/dev/null || cat "$table"
+"$PY" "$ROOT/fairseq_linattn/recipes/report.py" pg19 "$table" --attention "${ATTN:-}" --checkpoint "$CHECKPOINT" \
+  || column -t -s $'\t' "$table"
 echo "[recipe] table: $table"

@@ -9,7 +9,8 @@ Usage: scripts/glue_all.sh ATTN CHECKPOINT [fairseq-train options...]
 
 Run scripts/finetune_glue.sh for MNLI, QNLI, QQP and SST-2 (SAMPLE=1: the two KJV sample tasks) one
 after the other, then print the best validation accuracies as a row like LLN Table 1 (MNLI as
-matched/mismatched) and write it to OUT_ROOT/summary_ATTN.md.
+matched/mismatched), each beside the paper's figure for ATTN ("TASK paper": LLN Table 1's SA
+baseline, LLN or LLN+Diag row; — where it has none), and write it to OUT_ROOT/summary_ATTN.md.
 Runs go to OUT_ROOT/TASK/ATTN [OUT_ROOT: checkpoints/glue]; a finished task is not run again
 (remove its directory to redo it). Other knobs as for scripts/finetune_glue.sh:
 

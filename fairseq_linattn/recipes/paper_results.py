@@ -95,7 +95,7 @@ _LRA_LLN_SETTING = (
     "Retrieval 4k, Pathfinder 1k, Image 1k (LLN A.8.3). The softmax row is the paper's own run, not "
     "Skyformer's.")
 
-_SOFTMAX_PG19_NOTE = ("our softmax is exact attention (torch SDPA, a FlashAttention kernel on CUDA) with the "
+_SOFTMAX_PG19_NOTE = ("our softmax is exact attention (torch SDPA: FlashAttention kernels on CUDA) with the "
                       "backbone's sinusoidal positions, which LAVO §4.1 removes only for LAVO; FA + RoPE "
                       "adds rotary positions instead")
 

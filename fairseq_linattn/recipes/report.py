@@ -1,20 +1,29 @@
 """Read fairseq training logs; write the GLUE summary and the quick-start's REPORT.md with plots.
 
     python -m fairseq_linattn.recipes.report glue --attention lln checkpoints/glue/*/lln
+    python -m fairseq_linattn.recipes.report pg19 --checkpoint CKPT checkpoints/pg19/lavo/extrapolation.tsv
     python -m fairseq_linattn.recipes.report quickstart runs/quickstart
 
 Logs are what fairseq-train prints with ``--log-format json`` (the recipe scripts keep it in
 ``train.log``): lines ``... | valid | {json}``, or the bare JSON lines of its ``--log-file``. A record
 is ``train_inner`` when its keys are bare (loss, num_updates) and ``train``, ``valid``, ``valid1``
 when they carry that prefix (valid_loss, valid_num_updates).
-(It imports nothing of the package, so it also runs as a file: ``python .../report.py``.)
+Each table has a "paper" column beside ours with the published figure for that row (LLN Table 1 for
+GLUE, LAVO Table 2 for PG-19 perplexity; ``paper_results``), "—" where the paper has none.
+(It imports only ``paper_results`` beside it, so it also runs as a file: ``python .../report.py``.)
 """
 import argparse
 import csv
 import json
 import math
 from pathlib import Path
+import re
 from typing import Dict, List, Optional
+
+try:
+    from . import paper_results
+except ImportError:  # run as a file: paper_results.py is beside it on sys.path
+    import paper_results
 
 TAGS = ("train_inner", "train", "valid", "valid1")
 GLUE_COLUMNS = {"mnli": "MNLI (m/mm)", "qnli": "QNLI", "qqp": "QQP", "sst2": "SST-2",
@@ -97,16 +106,68 @@ def glue_accuracy(task: str, log: Dict[str, List[dict]]) -> str:
     return _fmt(best(log["valid"], "accuracy"), 1)
 
 
+def paper_cell(value, digits: int) -> str:
+    """A published figure as printed beside ours: "—" for none, "OOM" as is."""
+    if value is None:
+        return "—"
+    return value if isinstance(value, str) else f"{value:.{digits}f}"
+
+
+def glue_paper_note(attention: str) -> str:
+    """Which row of LLN Table 1 the paper column of ``attention`` comes from."""
+    table = paper_results.TABLES["lln_table1"]
+    row = table.ours.get(attention)
+    if row is None:
+        return f"paper: {table.source} has no row for {attention} (—)."
+    return (f"paper: {table.source}, row \"{row}\" (GLUE dev accuracy, RoBERTa-base pretrained on "
+            f"WikiText-103; MNLI a single figure); — : no published figure. Settings: docs/recipes.md §3.")
+
+
 def glue_summary(attention: str, run_dirs: List[Path]) -> str:
-    """A markdown row per attention like LLN Table 1: best validation accuracy per task (run dir = .../TASK/ATTN)."""
+    """A markdown row per attention like LLN Table 1: best validation accuracy per task (run dir = .../TASK/ATTN),
+    each followed by the paper's figure; then a line naming the paper's row."""
     cells = {}
     for run in run_dirs:
         task = Path(run).parent.name
         log_file = Path(run) / "train.log"
         cells[task] = glue_accuracy(task, read_log(log_file)) if log_file.is_file() else "—"
-    header = "| attention | " + " | ".join(GLUE_COLUMNS.get(t, t) for t in cells) + " |"
-    rule = "|---|" + "---|" * len(cells)
-    return "\n".join([header, rule, f"| {attention} | " + " | ".join(cells.values()) + " |"])
+    names = [GLUE_COLUMNS.get(t, t) for t in cells]
+    header = "| attention | " + " | ".join(f"{name} | {name} paper" for name in names) + " |"
+    rule = "|---|" + "---|---|" * len(cells)
+    row = " | ".join(f"{ours} | {paper_cell(paper_results.glue(task, attention), 1)}" for task, ours in cells.items())
+    return "\n".join([header, rule, f"| {attention} | {row} |", "", glue_paper_note(attention)])
+
+
+def pg19_paper_note(attention: str) -> str:
+    """Which row of LAVO Table 2 the paper column of ``attention`` comes from."""
+    table = paper_results.TABLES["lavo_table2_ppl"]
+    row = table.ours.get(attention)
+    if row is None:
+        return f"paper: {table.source} has no row for {attention} (—)."
+    return (f"paper: {table.source}, row \"{row}\" (token-level perplexity of a 12-layer GPT-2 trained at "
+            f"8192 tokens, at 1x, 1.5x, 2x that context); — : no published figure. Settings: docs/recipes.md §3.")
+
+
+def pg19_summary(rows: List[dict], attention: str) -> str:
+    """eval_pg19.sh's table as markdown, with LAVO Table 2's perplexity at the same context ratio."""
+    lines = ["| context | ratio | loss (bits) | ppl | word ppl | paper ppl |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        paper = paper_cell(paper_results.pg19_ppl(attention, r["ratio"]), 2)
+        lines.append(f"| {int(r['context'])} | {r['ratio']:g} | {_fmt(r['loss_bits'], 3)} | {_fmt(r['ppl'], 2)} "
+                     f"| {_fmt(r.get('word_ppl'), 2)} | {paper} |")
+    return "\n".join(lines + ["", pg19_paper_note(attention)])
+
+
+def checkpoint_attention(path: Path) -> Optional[str]:
+    """The decoder attention a fairseq checkpoint was trained with (one name; None for a per-layer mix)."""
+    import torch
+
+    state = torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
+    model = (state.get("cfg") or {}).get("model") or state.get("args")
+    value = model.get("decoder_attention_type") if isinstance(model, dict) else \
+        getattr(model, "decoder_attention_type", None)
+    names = {t.strip() for t in str(value).split(",")} if value else set()
+    return names.pop() if len(names) == 1 else None
 
 
 def moving_average(values: List[float], window: int) -> List[float]:
@@ -164,7 +225,8 @@ def plot_extrapolation(tables: Dict[str, List[dict]], path: Path) -> None:
     ax.set_ylabel("test perplexity (per token)")
     ax.set_title("causal LM: perplexity vs context length")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -174,6 +236,14 @@ def _logs(root: Path) -> Dict[str, Dict[str, List[dict]]]:
     """{attention: log} for root/<attention>/train.log, in the order the runs were made."""
     runs = sorted((p for p in root.glob("*/train.log")), key=lambda p: p.stat().st_mtime)
     return {p.parent.name: read_log(p) for p in runs}
+
+
+def finetune_task(log_file: Path) -> Optional[str]:
+    """The task a fine-tuning run read (``.../TASK-bin`` in the config fairseq-train logs first), or None."""
+    if not Path(log_file).is_file():
+        return None
+    found = re.search(r"'data': '[^']*?([A-Za-z0-9_]+)-bin/?'", Path(log_file).read_text(errors="replace"))
+    return found.group(1) if found else None
 
 
 def quickstart_report(run: Path, meta: dict) -> Path:
@@ -190,21 +260,37 @@ def quickstart_report(run: Path, meta: dict) -> Path:
              f"accuracy in %.", ""]
     if meta:
         lines += ["| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in meta.items()] + [""]
+    tasks = {finetune_task(run / "finetune" / name / "train.log") for name in finetune} - {None}
+    task = tasks.pop() if len(tasks) == 1 else None
     lines += ["## Bidirectional encoder: masked-LM pretraining, then fine-tuning", "",
               f"| attention | MLM train loss (last) | MLM valid loss | fine-tune valid loss | "
-              f"fine-tune valid accuracy (best) |", "|---|---|---|---|---|"]
+              f"fine-tune valid accuracy (best) | paper accuracy |", "|---|---|---|---|---|---|"]
     for name, log in pretrain.items():
         ft = finetune.get(name, {tag: [] for tag in TAGS})
+        paper = paper_cell(paper_results.glue(task, name), 1) if task else "—"
         lines.append(f"| {name} | {_fmt(last(log['train_inner'], 'loss'), 3)} | {_fmt(last(log['valid'], 'loss'), 3)} "
-                     f"| {_fmt(last(ft['valid'], 'loss'), 3)} | {_fmt(best(ft['valid'], 'accuracy'), 1)} |")
-    contexts = [int(r["context"]) for r in next(iter(tables.values()), [])]
-    header = ["attention", "LM train loss (last)", "LM valid loss"] + [f"test ppl @{c}" for c in contexts]
+                     f"| {_fmt(last(ft['valid'], 'loss'), 3)} | {_fmt(best(ft['valid'], 'accuracy'), 1)} | {paper} |")
+    lines += ["", f"Paper accuracy: {paper_results.TABLES['lln_table1'].source} (RoBERTa-base pretrained on "
+                  f"WikiText-103, GLUE dev accuracy) for the fine-tuning task {task or '?'}; it covers MNLI, QNLI, "
+                  f"QQP and SST-2 only, so a sample task shows — (the published figures: docs/recipes.md §3)."]
+    first = next(iter(tables.values()), [])
+    contexts = [int(r["context"]) for r in first]
+    factors = [r["ratio"] for r in first]
+    header = (["attention", "LM train loss (last)", "LM valid loss"] + [f"test ppl @{c}" for c in contexts]
+              + [f"paper ppl @{f:g}x" for f in factors])
     lines += ["", "## Causal LM: training, then perplexity at 1x, 1.5x, 2x the training context", "",
               "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, log in lm.items():
         ppl = [_fmt(r["ppl"], 1) for r in tables.get(name, [])] or ["—"] * len(contexts)
-        cells = [name, _fmt(last(log["train_inner"], "loss"), 3), _fmt(last(log["valid"], "loss"), 3), *ppl]
+        paper = [paper_cell(paper_results.pg19_ppl(name, f), 2) for f in factors]
+        cells = [name, _fmt(last(log["train_inner"], "loss"), 3), _fmt(last(log["valid"], "loss"), 3), *ppl, *paper]
         lines.append("| " + " | ".join(cells) + " |")
+    ours = paper_results.TABLES["lavo_table2_ppl"].ours
+    lines += ["", f"Paper ppl: {paper_results.TABLES['lavo_table2_ppl'].source}, at the same multiple of the "
+                  f"training context (a 12-layer GPT-2 trained 125K steps at 8192 tokens on PG-19, against this "
+                  f"tiny model at {contexts[0] if contexts else '?'} tokens: compare how perplexity moves with "
+                  f"context, not its level); rows: " + ", ".join(f"{k} = {v}" for k, v in ours.items())
+              + "; the others have no row (—)."]
     lines += ["", "## Plots and logs", "", "![loss curves](loss_curves.png)", "",
               "![perplexity against context length](ppl_vs_context.png)", "",
               f"TensorBoard: `tensorboard --logdir {run}` (every run's `tb/`); fairseq logs: `*/*/train.log`.", ""]
@@ -220,12 +306,19 @@ def main(argv=None) -> None:
     glue = sub.add_parser("glue", help="best validation accuracy per task, a markdown table row")
     glue.add_argument("--attention", required=True)
     glue.add_argument("runs", nargs="+", type=Path, help="fine-tuning output directories .../TASK/ATTN")
+    pg19 = sub.add_parser("pg19", help="eval_pg19.sh's extrapolation.tsv as markdown, with the paper's perplexity")
+    pg19.add_argument("table", type=Path, help="extrapolation.tsv")
+    pg19.add_argument("--attention", default="", help="the LM's attention [read from --checkpoint]")
+    pg19.add_argument("--checkpoint", type=Path, help="the evaluated checkpoint (its decoder attention type)")
     quick = sub.add_parser("quickstart", help="REPORT.md and plots of a quick-start run directory")
     quick.add_argument("run", type=Path)
     quick.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="a row of the settings table")
     args = parser.parse_args(argv)
     if args.command == "glue":
         print(glue_summary(args.attention, args.runs))
+    elif args.command == "pg19":
+        attention = args.attention or (checkpoint_attention(args.checkpoint) if args.checkpoint else None)
+        print(pg19_summary(read_extrapolation(args.table), attention or "?"))
     else:
         meta = dict(item.split("=", 1) for item in args.meta)
         report = quickstart_report(args.run, meta)
