@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fairseq_linattn import ops
+from fairseq_linattn.ops.lln_diag import mix_lln_diag
 from conftest import padding_mask, rel_err
 from util_memory import LargestTensor
 
@@ -103,3 +104,21 @@ def test_lln_diag_rejects_bad_input():
         ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="sum")
     with pytest.raises(ValueError, match=r"needs p of shape \(H, Dv\)"):
         ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="learnable_scale", r=torch.ones(2, 4))
+
+
+def test_mix_lln_diag_closed_forms_per_mode():
+    # distinct r, p per head and channel, so swapping r and p, or r and 1 - r, changes the result
+    lln = torch.tensor([2.0, -1.0, 4.0], dtype=torch.float64).view(1, 1, 1, 3).expand(2, 2, 4, 3)
+    diag = torch.tensor([10.0, 6.0, -2.0], dtype=torch.float64).view(1, 1, 1, 3).expand(2, 2, 4, 3)
+    r = torch.tensor([[0.1, 0.2, 0.3], [0.7, 0.8, 0.9]], dtype=torch.float64)
+    p = torch.tensor([[1.5, 2.5, 3.5], [0.4, 0.6, 0.05]], dtype=torch.float64)
+    average = torch.tensor([6.0, 2.5, 1.0], dtype=torch.float64)  # (LLN + Diag) / 2
+    torch.testing.assert_close(mix_lln_diag(lln, diag, "average"), average.expand(2, 2, 4, 3))
+    # learnable_scale r*LLN + p*Diag, head 0: (0.2 + 15, -0.2 + 15, 1.2 - 7), head 1: (1.4 + 4, -0.8 + 3.6, 3.6 - 0.1)
+    scale = torch.tensor([[15.2, 14.8, -5.8], [5.4, 2.8, 3.5]], dtype=torch.float64)
+    torch.testing.assert_close(mix_lln_diag(lln, diag, "learnable_scale", r, p),
+                               scale[None, :, None, :].expand(2, 2, 4, 3))
+    # learnable_ratio r*LLN + (1-r)*Diag, head 0: (0.2 + 9, -0.2 + 4.8, 1.2 - 1.4), head 1: (1.4 + 3, -0.8 + 1.2, 3.6 - 0.2)
+    ratio = torch.tensor([[9.2, 4.6, -0.2], [4.4, 0.4, 3.4]], dtype=torch.float64)
+    torch.testing.assert_close(mix_lln_diag(lln, diag, "learnable_ratio", r, p),
+                               ratio[None, :, None, :].expand(2, 2, 4, 3))
