@@ -11,15 +11,22 @@
   and values per layer; LLN and LAVO a fixed-size state, with their position counters set to L):
   the step's cost depends on the sizes, not on the values, and running L real steps first would take
   hours for softmax on a CPU.
+- ``cross``: per-token latency of an encoder-decoder (``linattn_transformer``, LLN encoder, LAVO decoder)
+  decoding after a source of S tokens, with LAVO cross-attention (its source memory kept in the
+  incremental state: the cost per token should not depend on S) beside fairseq's softmax
+  cross-attention (keys and values of the S source tokens kept, attended every step). The encoder runs
+  once per source, outside the timing, and so does the first decoding step, which reads the source.
+  ``--parts cross`` re-measures only this part and keeps the others of ``--json``.
 
 Defaults finish in about 25 minutes on 2 busy CPU cores: train at N = 512, 1024, 2048, 4096 for
-softmax, lln, lln_diag, skyformer, lavo (3 timed updates each); decode at L = 1K ... 16K (20 tokens each).
+softmax, lln, lln_diag, skyformer, lavo (3 timed updates each); decode at L = 1K ... 16K (20 tokens each); cross at S = 1K, 4K, 16K.
 The issue's full range (train up to 16384) is ``--train-sizes 512 1024 2048 4096 8192 16384``.
 
     python scripts/benchmark_model.py --docs docs/benchmarks.md
     python scripts/benchmark_model.py --quick --json /tmp/model.json
 """
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -35,15 +42,19 @@ DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
 ENCODER_METHODS = ("softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo")
 DECODER_METHODS = ("softmax", "lln", "lln_diag", "lavo")
+CROSS_METHODS = ("softmax", "lavo")
+PARTS = ("train", "decode", "cross")
 QUICK = dict(train_sizes=[32], decode_contexts=[16, 32], train_arch="linattn_roberta_tiny",
-             decode_arch="linattn_lm_tiny", vocab=100, train_repeats=1, decode_repeats=2, min_repeats=1,
+             decode_arch="linattn_lm_tiny", cross_sources=[16, 64],
+             cross_arch="linattn_transformer_tiny", vocab=100, train_repeats=1, decode_repeats=2, min_repeats=1,
              point_seconds=1.0, model_args=["--lln-chunk-size", "8", "--lln-diag-block-size", "8", "--lavo-window", "8",
                                             "--skyformer-landmarks", "8"])
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", choices=["train", "decode"], default=["train", "decode"])
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to measure; with some parts only, the others are kept from --json")
     p.add_argument("--train-sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--train-methods", nargs="+", choices=ENCODER_METHODS,
                    default=["softmax", "lln", "lln_diag", "skyformer", "lavo"])
@@ -53,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--decode-methods", nargs="+", choices=DECODER_METHODS, default=["softmax", "lln", "lavo"])
     p.add_argument("--decode-arch", default="linattn_lm_gpt")
+    p.add_argument("--cross-sources", type=int, nargs="+", default=[1024, 4096, 16384],
+                   help="source lengths S of the cross-attention decoding part")
+    p.add_argument("--cross-methods", nargs="+", choices=CROSS_METHODS, default=list(CROSS_METHODS))
+    p.add_argument("--cross-arch", default="linattn_transformer")
     p.add_argument("--vocab", type=int, default=None, help="dictionary size (default: RoBERTa's / GPT-2's)")
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                    help="extra fairseq/plugin options for every model (last on the command line)")
@@ -108,8 +123,10 @@ def fill_state(attn, state: dict, context: int) -> None:
         buf["prev_key_padding_mask"] = torch.zeros(b, context, dtype=torch.bool, device=kv["device"])
     if "position" in buf:
         buf["position"] = torch.full_like(buf["position"], context)
-    if "mem_count" in buf:  # LAVO: tokens of the completed windows
+    if "mem_count" in buf:  # LAVO: tokens of the completed windows, a window of real tokens
         buf["mem_count"] = torch.full_like(buf["mem_count"], context - context % attn.window)
+        buf["window_count"] = torch.full_like(buf["window_count"], context % attn.window)
+        buf["prev_key_padding_mask"] = torch.zeros_like(buf["prev_key_padding_mask"])
     attn._set_input_buffer(state, buf)
 
 
@@ -145,6 +162,33 @@ def decode_case(method: str, data: Path, args, device, max_tokens: int):
     return build
 
 
+def cross_case(method: str, data: Path, args, device):
+    def build(source, _):
+        built = fairseq_models.build(data, [
+            "--task", "translation", "--source-lang", "src", "--target-lang", "tgt", "--arch", args.cross_arch,
+            "--encoder-attention-type", "lln", "--decoder-attention-type", "lavo", "--cross-attention-type", method,
+            "--max-source-positions", str(source + 8), "--max-target-positions", str(64 + 2 * args.decode_repeats),
+            "--seed", "1", *_device_args(device), *args.model_args], optimizer=False)
+        model = built["model"].to(device).eval()
+        d = built["task"].source_dictionary
+        g = torch.Generator().manual_seed(source)
+        src = torch.randint(d.nspecial, len(d), (args.batch, source), generator=g).to(device)
+        tgt = torch.randint(d.nspecial, len(d), (args.batch, 8 + 2 * args.decode_repeats), generator=g).to(device)
+        with torch.no_grad():
+            enc = model.encoder(src, src_lengths=torch.full((args.batch,), source, device=device))
+        state, pos = {}, [0]
+
+        def call():
+            with torch.no_grad():
+                model.decoder(tgt[:, :pos[0] + 1], encoder_out=enc, incremental_state=state)
+            pos[0] += 1
+
+        call()  # the first step reads the source (LAVO: its memory; softmax: its keys and values)
+        call.extra = lambda: {"state_bytes": state_bytes(state)}
+        return call
+    return build
+
+
 def run_part(cases, sizes, args, device, repeats):
     """One model alive at a time: each case builds its model at each size, measures it, frees it."""
     res = sweep.run(cases, sizes, device, time_budget=args.time_budget,
@@ -171,7 +215,21 @@ def measure_all(args) -> dict:
             max_tokens = max(args.decode_contexts) + 16 + 2 * args.decode_repeats
             out["decode"] = run_part({m: decode_case(m, data, args, device, max_tokens) for m in args.decode_methods},
                                      args.decode_contexts, args, device, args.decode_repeats)
+        if "cross" in args.parts:
+            data = fairseq_models.write_dictionary(Path(tmp) / "mt", (args.vocab or 32000) - 4)
+            for lang in ("src", "tgt"):
+                (data / f"dict.{lang}.txt").write_text((data / "dict.txt").read_text())
+            start = measure.load_average()
+            out["cross"] = run_part({m: cross_case(m, data, args, device) for m in args.cross_methods},
+                                    args.cross_sources, args, device, args.decode_repeats)
+            out["cross"].update(machine=out["machine"], load_start=start, load_end=measure.load_average(),
+                                config={k: getattr(args, k) for k in ("cross_sources", "cross_arch", "batch",
+                                                                      "decode_repeats", "min_repeats")})
     out["load_end"] = measure.load_average()
+    keep = [part for part in PARTS if part not in args.parts]
+    if keep and args.json and args.json.exists():  # --parts cross: the other parts stay as measured before
+        old = json.loads(args.json.read_text())
+        out = {**old, **{part: out[part] for part in args.parts}}
     return out
 
 
@@ -204,6 +262,12 @@ def targets(res: dict) -> list:
             a, b = _row(d, m, lo), _row(d, m, hi)
             add(f"{m} decoding: per-token latency at context {hi} ≤ 1.2× that at {lo}",
                 None if not (a and b) else b["median_s"] / a["median_s"], lambda x: x <= 1.2, "{:.2f}×")
+    if "cross" in res:
+        x = res["cross"]
+        lo, hi = min(x["config"]["cross_sources"]), max(x["config"]["cross_sources"])
+        a, b = _row(x, "lavo", lo), _row(x, "lavo", hi)
+        add(f"LAVO cross-attention decoding: per-token latency at source {hi} ≤ 1.2× that at {lo}",
+            None if not (a and b) else b["median_s"] / a["median_s"], lambda x: x <= 1.2, "{:.2f}×")
     return out
 
 
@@ -231,6 +295,17 @@ def render(res: dict, image: str) -> str:
         parts.append("**Incremental state of all layers (MiB)**\n\n" +
                      report.table(pts, ctx, lambda r: None if r.get("state_bytes") is None
                                   else f"{r['state_bytes'] / report.MiB:.2f}"))
+    if "cross" in res:
+        x = res["cross"]
+        xc, src = x["config"], x["config"]["cross_sources"]
+        parts.append(f"**{xc['cross_arch']} (LLN encoder, LAVO decoder) incremental decoding, B={xc['batch']}: ms per "
+                     f"token after a source of S tokens, by cross-attention** (median of {xc['min_repeats']}–"
+                     f"{xc['decode_repeats']} tokens; the encoder and the first step, which reads the source, are "
+                     f"not timed; load at the start {', '.join(f'{v:.2f}' for v in x['load_start'])})\n\n" +
+                     report.table(x["points"], src, lambda r: f"{r['median_s'] * 1e3:.2f}"))
+        parts.append("**Incremental state of all layers, self- and cross-attention (MiB)**\n\n" +
+                     report.table(x["points"], src, lambda r: None if r.get("state_bytes") is None
+                                  else f"{r['state_bytes'] / report.MiB:.2f}"))
     return "\n\n".join(p for p in parts if p)
 
 
@@ -240,6 +315,8 @@ def plot(res: dict, path: Path) -> None:
         series.update({f"train {m}": rows for m, rows in res["train"]["points"].items()})
     if "decode" in res:
         series.update({f"decode {m}": rows for m, rows in res["decode"]["points"].items()})
+    if "cross" in res:
+        series.update({f"cross-attention {m}": rows for m, rows in res["cross"]["points"].items()})
     report.plot_loglog(series, path, "linattn_roberta_base update and linattn_lm_gpt decoding",
                        panels=(("median_s", "seconds per update / per token", 1.0),))
 

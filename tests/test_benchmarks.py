@@ -7,7 +7,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,7 +68,22 @@ def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     state = {m: [r["state_bytes"] for r in rows] for m, rows in res["decode"]["points"].items()}
     assert state["softmax"][1] > state["softmax"][0]
     assert state["lln"][0] == state["lln"][1] and state["lavo"][0] == state["lavo"][1]
+    # cross-attention decoding: fairseq's softmax keeps the source's keys and values, LAVO its memory only
+    cross = {m: [r["state_bytes"] for r in rows] for m, rows in res["cross"]["points"].items()}
+    assert cross["softmax"][1] > cross["softmax"][0] and cross["lavo"][0] == cross["lavo"][1]
     assert plot.exists() and "<!-- BEGIN model results -->" in doc.read_text()
+    assert "LAVO cross-attention decoding" in doc.read_text()
+
+
+def test_model_benchmark_remeasures_one_part_and_keeps_the_others(tmp_path):
+    kept = {"config": {"train_sizes": [7], "batch": 1, "attention_dropout": 0.0, "min_repeats": 1, "train_repeats": 1,
+                       "warmup": 1, "train_arch": "tiny"},
+            "machine": measure.machine_info(torch.device("cpu")), "load_start": [0, 0, 0], "load_end": [0, 0, 0],
+            "train": {"points": {"softmax": [{"n": 7, "status": "ok", "median_s": 1.5}]}, "matmul_flops": {}}}
+    (tmp_path / "benchmark_model.json").write_text(json.dumps(kept))
+    res, _, _ = run_script("benchmark_model", tmp_path, "--parts", "cross")
+    assert res["train"] == kept["train"] and res["config"] == kept["config"]
+    assert set(res["cross"]["points"]) == {"softmax", "lavo"} and "decode" not in res
 
 
 def test_scaling_exponent_recovers_a_power_law():
@@ -79,9 +93,12 @@ def test_scaling_exponent_recovers_a_power_law():
     assert report.scaling_exponent(rows, "t", 8192, 16384) is None  # one point is not a fit
 
 
-def test_sweep_stops_a_case_at_the_budget_and_marks_the_rest():
-    cases = {"linear": lambda n, _: (lambda: time.sleep(n * 1e-5)),
-             "quadratic": lambda n, _: (lambda: time.sleep(n * n * 2e-7))}
+def test_sweep_stops_a_case_at_the_budget_and_marks_the_rest(monkeypatch):
+    """Each call returns its own cost and the sweep's clock reads it: no wall-clock timing in the test."""
+    monkeypatch.setattr(sweep.measure, "elapsed_seconds", lambda call, device: call())
+    monkeypatch.setattr(sweep.measure, "matmul_flops_per_second", lambda device, repeats=1: 1e9)
+    cases = {"linear": lambda n, _: (lambda: n * 1e-5),
+             "quadratic": lambda n, _: (lambda: n * n * 2e-7)}
     res = sweep.run(cases, [100, 200, 400, 800], torch.device("cpu"), time_budget=0.05, memory_budget=2 ** 30,
                     repeats=1, min_repeats=1, measure_memory=False, log=lambda _: None)
     assert [r["status"] for r in res["points"]["linear"]] == ["ok"] * 4
@@ -89,6 +106,7 @@ def test_sweep_stops_a_case_at_the_budget_and_marks_the_rest():
     # 2 ms, 8 ms, then 32 ms is within budget; 800 is predicted at 128 ms > 50 ms: skipped, not run
     assert [r["status"] for r in quad] == ["ok", "ok", "ok", "skipped"]
     assert quad[3]["note"].startswith("predicted")
+    assert quad[2]["median_s"] == pytest.approx(0.032)
 
 
 def test_cpu_peak_memory_sees_a_temporary_allocation():
