@@ -58,10 +58,10 @@ def test_op_checks_pass_on_the_cpu_and_catch_a_wrong_op():
     assert bad[2]["grad_err"] < 1e-6 < 1e-3 < bad[2]["out_err"]
 
 
-def write_run(tb: Path, losses, scales) -> None:
+def write_run(tb: Path, losses, scales, sub: str = "train_inner") -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(tb / "train_inner"))
+    writer = SummaryWriter(str(tb / sub))
     for step, (loss, scale) in enumerate(zip(losses, scales), 1):
         writer.add_scalar("loss", loss, step)
         if scale is not None:
@@ -71,6 +71,7 @@ def write_run(tb: Path, losses, scales) -> None:
 
 def test_training_is_judged_from_loss_and_loss_scale_in_tensorboard(tmp_path):
     write_run(tmp_path / "good", [9.0, 8.5, 8.0, 7.0], [128, 64, 64, 64])
+    write_run(tmp_path / "good", [1e9], [2.0 ** -9], sub="valid")  # not a per-update record
     good = gpu_selftest.judge_training(tmp_path / "good", min_loss_scale=1.0)
     assert good["ok"] and good["updates"] == 4 and good["min_loss_scale"] == 64 and good["scale_drops"] == 1
     assert good["first_loss"] == 9.0 and good["last_loss"] == 7.0
@@ -81,6 +82,16 @@ def test_training_is_judged_from_loss_and_loss_scale_in_tensorboard(tmp_path):
     assert gpu_selftest.judge_training(tmp_path / "nan", 1.0)["problem"] == "non-finite loss"
     write_run(tmp_path / "fp32", [9.0, 8.0], [None, None])
     assert "no loss or loss_scale" in gpu_selftest.judge_training(tmp_path / "fp32", 1.0)["problem"]
+
+
+@pytest.mark.slow  # runs the sample recipes (fairseq-train)
+def test_training_runs_the_sample_recipes_and_reads_their_tensorboard(tmp_path):
+    # on the CPU the recipes drop --fp16, so there is a loss but no loss_scale: the run is judged failed
+    for kind, attention in (("encoder", "lln_diag"), ("lm", "lavo")):
+        row = gpu_selftest.run_training(kind, attention, tmp_path, updates=3, min_loss_scale=1.0, device="cpu")
+        assert row["updates"] == 3 and math.isfinite(row["last_loss"]), Path(row["log"]).read_text()[-3000:]
+        assert not row["ok"] and row["problem"].startswith("no loss or loss_scale")
+        assert "--max-update 3" in Path(row["log"]).read_text() and row["run"] == f"{kind} {attention}"
 
 
 def test_summary_line_passes_only_when_every_check_passed():

@@ -136,9 +136,10 @@ def read_scalars(tb_dir: Path, tag: str) -> List[tuple]:
 
 
 def judge_training(tb_dir: Path, min_loss_scale: float) -> dict:
-    """Finite losses and a loss scale that stayed at or above ``min_loss_scale`` (from TensorBoard)."""
-    losses = [v for _, v in read_scalars(tb_dir, "loss")]
-    scales = [v for _, v in read_scalars(tb_dir, "loss_scale")]
+    """Finite losses and a loss scale that stayed at or above ``min_loss_scale`` (fairseq's per-update
+    ``train_inner`` TensorBoard records)."""
+    losses = [v for _, v in read_scalars(Path(tb_dir) / "train_inner", "loss")]
+    scales = [v for _, v in read_scalars(Path(tb_dir) / "train_inner", "loss_scale")]
     out = {"updates": len(losses), "first_loss": losses[0] if losses else None,
            "last_loss": losses[-1] if losses else None, "min_loss_scale": min(scales) if scales else None,
            "scale_drops": sum(b < a for a, b in zip(scales, scales[1:]))}
@@ -152,11 +153,13 @@ def judge_training(tb_dir: Path, min_loss_scale: float) -> dict:
     return out
 
 
-def run_training(kind: str, attention: str, work: Path, updates: int, min_loss_scale: float) -> dict:
-    """One ``--fp16`` sample recipe on one GPU, then its TensorBoard judged."""
+def run_training(kind: str, attention: str, work: Path, updates: int, min_loss_scale: float,
+                 device: str = "gpu") -> dict:
+    """One ``--fp16`` sample recipe on one GPU, then its TensorBoard judged (``device="cpu"``: the
+    recipes' CPU path, without fp16, for the tests)."""
     script = {"encoder": "pretrain_wikitext103.sh", "lm": "train_pg19.sh"}[kind]
     out = work / "train" / f"{kind}_{attention}"
-    env = {**os.environ, "DEVICE": "gpu", "SAMPLE": "1", "FP16": "1", "GPUS_PER_NODE": "1", "NNODES": "1",
+    env = {**os.environ, "DEVICE": device, "SAMPLE": "1", "FP16": "1", "GPUS_PER_NODE": "1", "NNODES": "1",
            "OUT": str(out), "TB": str(out / "tb"), "SAMPLE_DATA": str(work / "data")}
     extra = ["--max-update", str(updates), "--warmup-updates", str(max(1, updates // 10)), "--log-interval", "1",
              "--seed", "1", "--no-save"]
