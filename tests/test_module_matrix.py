@@ -6,7 +6,7 @@ import torch
 
 from conftest import padding_mask
 from fairseq_linattn.analysis import entropy, spectral_gap
-from fairseq_linattn.analysis.module_matrix import (attention_rows, lavo_token_mixing, lln_parameters,
+from fairseq_linattn.analysis.module_matrix import (attention_rows, kernel_rows, lavo_token_mixing, lln_parameters,
                                                     module_attention_matrix, projected_qk)
 from fairseq_linattn.modules.attention import build_attention
 
@@ -151,3 +151,21 @@ def test_rejects_modules_without_an_attention_matrix(gen):
         module_attention_matrix(cross, torch.randn(T, B, E))
     with pytest.raises(ValueError, match="query must be"):
         module_attention_matrix(make("softmax", False, gen), torch.randn(T, E))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_kernelized_kernel_rows_zero_the_padded_key_columns(side, gen):
+    module = make("kernelized", False, gen)
+    x, pad = inputs(gen, side)
+    q, k = projected_qk(module, 0.3 * x)
+    # padded keys equal to the queries: unmasked, their kernel entries would be exp(0) = 1 on the diagonal
+    k = torch.where(pad[:, None, :, None], q, k)
+    C = kernel_rows(module, q, k, pad)
+    P = attention_rows(module, q, k, key_padding_mask=pad)
+    cols = pad[:, None, None, :].expand_as(C)
+    assert bool((C[cols] == 0).all()) and bool((P[cols] == 0).all())
+    check_rows_stochastic(P, pad)
+    for b in range(B):  # real rows and columns: the kernel of the sequence alone, without its padding
+        real = ~pad[b]
+        alone = kernel_rows(module, q[b:b + 1, :, real], k[b:b + 1, :, real], None)
+        torch.testing.assert_close(C[b:b + 1][:, :, real][..., real], alone, rtol=1e-12, atol=0)
