@@ -94,6 +94,17 @@ def test_training_runs_the_sample_recipes_and_reads_their_tensorboard(tmp_path):
         assert "--max-update 3" in Path(row["log"]).read_text() and row["run"] == f"{kind} {attention}"
 
 
+@pytest.mark.slow  # ~1 min on 2 cores
+def test_benchmark_runs_every_series_at_the_size_and_leaves_the_docs_alone(tmp_path):
+    docs = [ROOT / "docs" / "benchmarks" / "attention.json", ROOT / "docs" / "img" / "benchmark_attention.png"]
+    before = [p.stat().st_mtime_ns for p in docs if p.exists()]
+    rows = gpu_selftest.run_benchmark(tmp_path, 128, device="cpu")
+    assert len(rows) == 12 and all(r["ok"] and r["ms"] > 0 for r in rows), rows  # 7 non-causal + 5 causal
+    assert {"lavo causal", "skyformer", "kernelized"} <= {r["series"] for r in rows}
+    assert (tmp_path / "benchmark_attention.json").is_file()
+    assert [p.stat().st_mtime_ns for p in docs if p.exists()] == before
+
+
 def test_summary_line_passes_only_when_every_check_passed():
     ops = [{"op": "lln", "dtype": "float16", "ok": True}, {"op": "lavo", "dtype": "bfloat16", "ok": True}]
     train = [{"run": "encoder lln", "ok": True}]

@@ -175,12 +175,12 @@ def run_training(kind: str, attention: str, work: Path, updates: int, min_loss_s
     return {**row, **judge_training(out / "tb", min_loss_scale)}
 
 
-def run_benchmark(work: Path, size: int) -> List[dict]:
+def run_benchmark(work: Path, size: int, device: str = "cuda") -> List[dict]:
     """scripts/benchmark_attention.py at N = ``size`` on CUDA; one row per series (method, causal)."""
     import json
 
     result = work / "benchmark_attention.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--device", "cuda", "--sizes", str(size),
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--device", device, "--sizes", str(size),
            "--repeats", "5", "--json", str(result), "--plot", str(work / "benchmark_attention.png")]
     with open(work / "benchmark.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
