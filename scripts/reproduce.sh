@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The reproduction ledger: measure the papers' claims this machine can check, then write docs/reproduction.md.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$ROOT/.venv/bin/python"
+cd "$ROOT"
+
+expected() {  # the wall time of each group's committed run (python -m fairseq_linattn.reproduce expected-time)
+  python3 - "$ROOT/docs/reproduction" <<'PYTHON'
+import json, pathlib, sys
+runs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
+runs = {r["group"]: r["wall_s"] for r in runs if isinstance(r, dict) and "wall_s" in r}
+parts = ", ".join(f"{g} {s / 60:.0f} min" for g, s in runs.items())
+print(f"expected wall time about {sum(runs.values()) / 60:.0f} min on 2 CPU cores ({parts}), as the committed "
+      "run took" if runs else "expected wall time about 40 min on 2 CPU cores")
+PYTHON
+}
+
+usage() {
+  cat <<USAGE
+Usage: bash scripts/reproduce.sh [--only GROUP ...] [--reuse-quickstart] [--quick]
+       bash scripts/reproduce.sh --render [--check]
+
+Measures every claim group of docs/reproduction.md, writes docs/reproduction/GROUP.json and
+regenerates docs/reproduction.md from the JSON. Full run: $(expected).
+Groups:
+  lln_distribution  LLN Prop. 3.1, Fig. 5b, Fig. 2: var ln P, entropy, spectral gap on Gaussian q, k
+  lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs scripts/benchmark_model.py
+                    for softmax with attention dropout 0.1; the other points from docs/benchmarks/*.json)
+  quickstart        LLN Table 1, LAVO Table 2 analogues: runs scripts/quickstart.sh into
+                    runs/reproduction/quickstart (--reuse-quickstart reads an earlier run there)
+  skyformer_error   Skyformer Fig. 1: Nyström error against the number of landmarks
+  decoding          LAVO Table 10: time to generate 2K, 4K, 8K tokens one by one
+--render   rewrite docs/reproduction.md from the committed JSON alone (seconds; --check: only compare)
+--quick    tiny sizes, to check the code runs (write elsewhere: --out DIR --ledger FILE)
+USAGE
+}
+
+case "${1:-}" in
+  -h|--help) usage; exit 0;;
+  --render) shift; exec "$PY" -m fairseq_linattn.reproduce render "$@";;
+esac
+bash "$ROOT/scripts/setup_env.sh"
+echo "[reproduce] $(expected)"
+exec "$PY" -m fairseq_linattn.reproduce run "$@"

@@ -1,0 +1,245 @@
+"""The reproduction ledger: the committed docs/reproduction.md is what its JSON renders, and every
+"holds" is computed (a claim stops holding when the numbers that support it are broken)."""
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fairseq_linattn.reproduce import claims, common, ledger, lln_distribution, quickstart, skyformer_error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def records():
+    found = common.load_results()
+    missing = [g for g in common.GROUPS if g not in found]
+    assert not missing, f"no committed result file for {missing} in {common.RESULTS_DIR}"
+    return found
+
+
+def verdict(records, claim_id):
+    claim = next(c for c in claims.CLAIMS if c.id == claim_id)
+    return claim.evaluate(records[claim.group])
+
+
+# ----------------------------------------------------------------------------- the committed ledger
+
+def test_committed_ledger_is_what_the_committed_json_renders(records):
+    assert common.LEDGER.read_text() == ledger.render(records), \
+        "docs/reproduction.md is stale or edited by hand: run `bash scripts/reproduce.sh --render`"
+
+
+def test_render_check_mode_reports_a_stale_ledger(tmp_path):
+    stale = tmp_path / "reproduction.md"
+    stale.write_text(common.LEDGER.read_text().replace("**yes**", "**no**", 1))
+    args = [sys.executable, "-m", "fairseq_linattn.reproduce", "render", "--check", "--ledger"]
+    assert subprocess.run(args + [str(stale)], cwd=ROOT, capture_output=True).returncode == 1
+    assert subprocess.run(args + [str(common.LEDGER)], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def test_every_claim_has_a_verdict_from_the_committed_json(records):
+    for claim, v in claims.evaluate_all(records):
+        assert v is not None, claim.id
+        assert v.paper and v.ours and v.test, claim.id
+        if v.holds is False:
+            assert v.cause, f"{claim.id} does not hold and gives no likely cause"
+
+
+def test_claim_ids_are_unique():
+    ids = [c.id for c in claims.CLAIMS]
+    assert len(ids) == len(set(ids))
+
+
+# ----------------------------------------------------------------------------- "holds" is computed
+
+def _dist(rec):
+    return [p for d in rec["results"]["per_head_dim"].values() for p in d["points"]]
+
+
+def _set_var(rec, method, factor):
+    for p in _dist(rec):
+        p[method]["log_p_var"] = p["softmax"]["log_p_var"] * factor
+
+
+def _scale_cost(rec, method, key, factor, dropout=None):
+    for p in rec["results"]["points"]:
+        if p["method"] == method and (dropout is None or p["attention_dropout"] == dropout):
+            p[key] = p[key] * factor if not callable(factor) else factor(p)
+
+
+def _lm(rec, method, ppls):
+    for row, ppl in zip(rec["results"]["lm"][method]["contexts"], ppls):
+        row["ppl"] = ppl
+
+
+def _gen(rec, method, fn):
+    runs = rec["results"]["runs"]
+    for n in runs[method]["cpu_seconds"]:
+        runs[method]["cpu_seconds"][n] = fn(int(n), runs["softmax"]["cpu_seconds"][n])
+
+
+def _sky(rec, fn):
+    for kind, per_n in rec["results"]["errors"].items():
+        for n, row in per_n.items():
+            for d in row:
+                row[d] = fn(int(n), int(d))
+
+
+BREAKS = {  # claim id -> an edit of its result record under which the claim must not hold
+    "lln-prop31": lambda r: [p["softmax"].update(log_p_var=1.5 * p["theory_log_p_var"]) for p in _dist(r)],
+    "lln-fig5b-paper": lambda r: _set_var(r, "lln_paper", 1.5),
+    "lln-fig5b-fit": lambda r: _set_var(r, "lln_fit", 0.5),
+    "lln-fig5b-exact": lambda r: _set_var(r, "lln_exact", 1.3),
+    "lln-fig5b-unmatched": lambda r: _set_var(r, "lln_unmatched", 0.9),
+    "lln-fig2-entropy": lambda r: [p["lln_paper"].update(entropy_bits=p["lln_unmatched"]["entropy_bits"]) for p in _dist(r)],
+    "lln-fig2-gap": lambda r: [p["lln_paper"].update(spectral_gap=p["lln_unmatched"]["spectral_gap"]) for p in _dist(r)],
+    "lln-table2-linear": lambda r: _scale_cost(r, "lln", "seconds", lambda p: p["n"] ** 2 / 1e6),
+    "lln-table2-speed": lambda r: _scale_cost(r, "lln_diag", "seconds", 100.0),
+    "lln-table2-longest": lambda r: _scale_cost(r, "lln", "total_bytes", lambda p: p["n"] ** 2 * 1000),
+    "lln-table2-longest-diag": lambda r: _scale_cost(r, "lln_diag", "total_bytes", lambda p: p["n"] ** 2 * 1000),
+    "lln-table2-longest-flash": lambda r: _scale_cost(r, "softmax", "total_bytes", 1 / 8, dropout=0.0),
+    "lln-table2-diag-memory": lambda r: _scale_cost(r, "lln_diag", "total_bytes", 1.5),
+    "lln-table1-mlm": lambda r: r["results"]["encoder"]["lln"].update(
+        mlm_valid_loss=r["results"]["encoder"]["softmax"]["mlm_valid_loss"] - 0.5),
+    "lln-table1-finetune": lambda r: r["results"]["encoder"]["lln_diag"].update(
+        finetune_accuracy=r["results"]["encoder"]["softmax"]["finetune_accuracy"] - 50),
+    "lavo-table2-flat": lambda r: _lm(r, "lavo", [10.0, 12.0, 15.0]),
+    "lavo-table2-softmax": lambda r: _lm(r, "softmax", [10.0, 10.1, 10.0]),
+    "lavo-table10-trend": lambda r: _gen(r, "lavo", lambda n, sm: 2 * sm),
+    "lavo-table10-8k": lambda r: _gen(r, "lavo", lambda n, sm: sm),
+    "sky-fig1-landmarks": lambda r: _sky(r, lambda n, d: 0.5),
+    "sky-fig1-length": lambda r: _sky(r, lambda n, d: n / d),
+}
+
+MENDS = {  # claim id -> an edit under which it must hold
+    "lln-fig5b-paper": lambda r: _set_var(r, "lln_paper", 1.05),
+    "lln-fig5b-fit": lambda r: _set_var(r, "lln_fit", 0.95),
+    "lln-fig2-entropy": lambda r: [p["lln_paper"].update(entropy_bits=p["softmax"]["entropy_bits"]) for p in _dist(r)],
+    "lln-fig2-gap": lambda r: [p["lln_paper"].update(spectral_gap=p["softmax"]["spectral_gap"]) for p in _dist(r)],
+    "lln-table2-longest-flash": lambda r: _scale_cost(r, "softmax", "total_bytes", lambda p: p["n"] ** 2 * 1000, 0.0),
+    "lln-table1-mlm": lambda r: r["results"]["encoder"].update(
+        softmax={"mlm_valid_loss": 5.0}, lln_diag={"mlm_valid_loss": 5.05}, lln={"mlm_valid_loss": 5.5}),
+    "lln-table1-finetune": lambda r: r["results"]["encoder"].update(
+        softmax={"finetune_accuracy": 90.0}, lln_diag={"finetune_accuracy": 89.9}, lln={"finetune_accuracy": 88.4}),
+    "lavo-table2-flat": lambda r: _lm(r, "lavo", [19.43, 19.41, 19.40]),
+    "lavo-table2-softmax": lambda r: _lm(r, "softmax", [16.02, 40.33, 94.34]),
+    "lavo-table10-trend": lambda r: _gen(r, "lavo", lambda n, sm: sm * 1024 / n),
+    "lavo-table10-8k": lambda r: _gen(r, "lavo", lambda n, sm: sm / 4),
+    "sky-fig1-landmarks": lambda r: _sky(r, lambda n, d: 1 / d),
+    "sky-fig1-length": lambda r: _sky(r, lambda n, d: 1 / (n * d)),
+}
+
+
+def test_every_tested_claim_has_a_break(records):
+    tested = [c.id for c, v in claims.evaluate_all(records) if v.holds is not None]
+    assert sorted(tested) == sorted(BREAKS)
+
+
+@pytest.mark.parametrize("claim_id", sorted(BREAKS))
+def test_a_claim_does_not_hold_when_its_numbers_are_broken(records, claim_id, tmp_path):
+    broken = copy.deepcopy(records)
+    claim = next(c for c in claims.CLAIMS if c.id == claim_id)
+    BREAKS[claim_id](broken[claim.group])
+    v = claim.evaluate(broken[claim.group])
+    assert v.holds is False
+    # the rendered ledger says so, with the likely cause
+    section = ledger.render(broken).split(f"### {claim_id}\n", 1)[1].split("###", 1)[0]
+    assert "Holds here: **no**" in section and "Likely cause" in section
+
+
+@pytest.mark.parametrize("claim_id", sorted(MENDS))
+def test_a_claim_holds_when_its_numbers_agree_with_the_paper(records, claim_id):
+    mended = copy.deepcopy(records)
+    claim = next(c for c in claims.CLAIMS if c.id == claim_id)
+    MENDS[claim_id](mended[claim.group])
+    assert claim.evaluate(mended[claim.group]).holds is True
+
+
+# ----------------------------------------------------------------------------- the arithmetic behind the rows
+
+def test_polyfit_recovers_a_quadratic_and_longest_fitting_inverts_it():
+    coef = [1.5e9, 2e5, 300.0]
+    ns = [512, 1024, 1536, 2048]
+    fit = claims.polyfit(ns, [coef[0] + coef[1] * n + coef[2] * n * n for n in ns], 2)
+    assert fit == pytest.approx(coef, rel=1e-6)
+    n_max = claims.longest_fitting(fit, 24 * 2 ** 30)
+    assert coef[0] + coef[1] * n_max + coef[2] * n_max ** 2 == pytest.approx(24 * 2 ** 30, rel=1e-9)
+    assert claims.longest_fitting([1e9, 1e6], 2e9) == pytest.approx(1000)
+
+
+def test_power_exponent_of_a_power_law():
+    assert claims.power_exponent([1, 2, 4, 8], [3 * n ** 1.3 for n in (1, 2, 4, 8)]) == pytest.approx(1.3)
+
+
+# ----------------------------------------------------------------------------- the measuring code, at tiny sizes
+
+def test_lln_distribution_measures_softmax_close_to_prop31():
+    res = lln_distribution.measure(**lln_distribution.QUICK)
+    (only,) = res["per_head_dim"].values()
+    for p in only["points"]:
+        assert set(lln_distribution.METHODS) <= set(p)
+        assert p["softmax"]["log_p_var"] == pytest.approx(p["theory_log_p_var"], rel=0.3)
+        assert p["lln_unmatched"]["log_p_var"] < p["softmax"]["log_p_var"]
+    assert only["fit"]["a"] > 0
+
+
+def test_skyformer_error_falls_with_more_landmarks():
+    res = skyformer_error.measure(**skyformer_error.QUICK)
+    for per_n in res["errors"].values():
+        for row in per_n.values():
+            few, many = (row[str(d)] for d in skyformer_error.QUICK["landmarks"])
+            assert 0 < many < few
+
+
+def _log_line(tag, **values):
+    prefix = "" if tag == "train_inner" else f"{tag}_"
+    return json.dumps({f"{prefix}{k}": str(v) for k, v in values.items()})
+
+
+def test_quickstart_collect_reads_logs_and_extrapolation_tables(tmp_path):
+    run = tmp_path / "run"
+    for i, attn in enumerate(("softmax", "lln", "lln_diag")):
+        for part, lines in (("pretrain", [_log_line("train_inner", loss=9 + i, num_updates=10),
+                                          _log_line("valid", loss=8 + i, num_updates=10)]),
+                            ("finetune", [_log_line("valid", loss=1, accuracy=70 + i, num_updates=5),
+                                          _log_line("valid", loss=1, accuracy=60, num_updates=10)])):
+            (run / part / attn).mkdir(parents=True)
+            (run / part / attn / "train.log").write_text("\n".join(lines) + "\n")
+    (run / "lm" / "lavo").mkdir(parents=True)
+    (run / "lm" / "lavo" / "train.log").write_text(_log_line("train_inner", loss=7, num_updates=3) + "\n")
+    (run / "lm" / "lavo" / "extrapolation.tsv").write_text(
+        "context\tratio\tloss_bits\tppl\tword_ppl\n128\t1\t4\t16.0\tnan\n256\t2\t4.1\t17.1\tnan\n")
+    (run / "REPORT.md").write_text("# Quick-start report\n\n| setting | value |\n|---|---|\n| seed | 1 |\n\n## x\n")
+    res = quickstart.collect(run)
+    assert res["settings"] == {"seed": "1"}
+    assert res["encoder"]["lln"]["mlm_valid_loss"] == 9.0
+    assert res["encoder"]["lln_diag"]["finetune_accuracy"] == 72.0
+    assert res["lm"]["lavo"]["contexts"] == [{"context": 128, "ratio": 1.0, "ppl": 16.0},
+                                             {"context": 256, "ratio": 2.0, "ppl": 17.1}]
+    with pytest.raises(FileNotFoundError):
+        quickstart.collect(tmp_path / "empty")
+
+
+def test_help_prints_the_expected_wall_time():
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "expected wall time about" in out.stdout and "as the committed run took" in out.stdout
+
+
+@pytest.mark.slow
+def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
+    ledger_path = tmp_path / "ledger.md"
+    cmd = ["bash", str(ROOT / "scripts" / "reproduce.sh"), "--quick", "--only", "lln_distribution",
+           "skyformer_error", "decoding", "lln_cost", "--out", str(tmp_path), "--ledger", str(ledger_path)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    for group in ("lln_distribution", "skyformer_error", "decoding", "lln_cost"):
+        record = json.loads((tmp_path / f"{group}.json").read_text())
+        assert record["command"].startswith(f"bash scripts/reproduce.sh --only {group}")
+        assert math.isfinite(record["wall_s"])
+    text = ledger_path.read_text()
+    assert "## Notes per claim" in text and "lavo-table10-trend" in text
