@@ -11,11 +11,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_LINE = re.compile(r"^DEBUG:|\| DEBUG \|", re.MULTILINE)  # logging's default format and fairseq's
 
-# fairseq's wav2vec2_classification.py runs logging.basicConfig(level=DEBUG) when fairseq is imported; the
-# fix belongs where the plugin imports fairseq (fairseq_linattn/__init__.py): remove this marker with it
-NEEDS_INIT_FIX = pytest.mark.xfail(strict=True, reason="fairseq's import-time logging set-up is not undone yet "
-                                                       "in fairseq_linattn/__init__.py")
-
 
 def python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
@@ -24,7 +19,6 @@ def python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           cwd=tmp_path)
 
 
-@NEEDS_INIT_FIX
 def test_importing_the_plugin_keeps_warnings_and_drops_debug_lines_and_the_tensorboardx_notice(tmp_path):
     code = textwrap.dedent("""
         import logging, warnings
@@ -56,7 +50,6 @@ def test_a_logging_set_up_made_before_the_import_is_kept(tmp_path):
 
 
 @pytest.mark.slow  # ~20 s: SentencePiece training and fairseq-preprocess
-@NEEDS_INIT_FIX
 def test_prepare_command_prints_its_progress_and_no_debug_lines_or_tensorboardx_notice(tmp_path):
     proc = python(["-m", "fairseq_linattn.recipes.prepare_pg19", "--source", str(ROOT / "data" / "pg19_sample"),
                    "--out", str(tmp_path / "pg19"), "--bpe", "sentencepiece", "--sp-vocab-size", "500",
