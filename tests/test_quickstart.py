@@ -80,6 +80,16 @@ def test_every_quickstart_run_leaves_checkpoints_and_tensorboard_logs(quickstart
             assert math.isfinite(float(row[4])) and float(row[4]) > float(row[3]) > 1
 
 
+def test_eval_pg19_prints_the_paper_perplexity_of_the_checkpoints_attention(quickstart):
+    root, _, _ = quickstart
+    paper = {"softmax": ["16.02", "40.33", "94.34"], "lln": ["—", "—", "—"], "lavo": ["19.43", "19.41", "19.40"]}
+    for name in DECODERS:  # the attention is read from the checkpoint
+        log = (root / "run" / "logs" / f"lm_{name}_eval.log").read_text()
+        rows = [line for line in log.splitlines() if re.match(r"\| (128|192|256) \|", line)]
+        assert [row.strip("|").split("|")[-1].strip() for row in rows] == paper[name], log
+        assert [row.split("|")[2].strip() for row in rows] == ["1", "1.5", "2"]
+
+
 def test_prepared_samples_are_not_prepared_twice(quickstart):
     root, env, _ = quickstart
     marker = root / "data" / "pg19" / "bin" / ".done"
