@@ -46,7 +46,7 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
             settings = dict(decoding.QUICK if quick else decoding.DEFAULTS)
             common.run_group(group, _command(group, quick), settings, lambda: decoding.measure(**settings), out)
         elif group == "lln_cost":
-            settings = dict(lln_cost.DEFAULTS, benchmark_json=str(lln_cost.RAW_JSON.relative_to(common.ROOT)),
+            settings = dict(lln_cost.DEFAULTS, threads=1, benchmark_json=str(lln_cost.RAW_JSON.relative_to(common.ROOT)),
                             measured_here="softmax, attention dropout 0.1, at the sizes listed; the other points "
                                           "from docs/benchmarks/model.json and model_attention_dropout.json")
 

@@ -8,6 +8,7 @@ A result file is ``docs/reproduction/<group>.json``::
 
 Nothing in these files is edited by hand; the ledger's "holds" column is computed from them.
 """
+import contextlib
 import json
 import time
 from datetime import datetime, timezone
@@ -20,6 +21,19 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "docs" / "reproduction"
 LEDGER = ROOT / "docs" / "reproduction.md"
 GROUPS = ("lln_distribution", "lln_cost", "quickstart", "skyformer_error", "decoding")
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run with ``count`` intra-op threads, then restore. The measurements use one: on this machine,
+    shared with other jobs, a two-thread op waits for a descheduled thread at every parallel region
+    (a 512 x 512 eigendecomposition took 250 s with two threads under a load of 6, 6 s with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def result_path(group: str, directory: Path = RESULTS_DIR) -> Path:

@@ -27,6 +27,7 @@ from typing import Dict, Sequence
 import torch
 
 from ..benchmark import fairseq_models
+from .common import torch_threads
 
 METHODS = ("softmax", "lln", "lavo")
 FULL_LAYERS = 12  # the paper's GPT-2 backbone
@@ -72,13 +73,8 @@ def generate(models: Dict[str, torch.nn.Module], bos: int, length: int, checkpoi
 def measure(*, lengths: Sequence[int], methods: Sequence[str], arch: str, layers: int, vocab: int, threads: int,
             model_args: Sequence[str]) -> Dict:
     """{"runs": {method: {"seconds": {L: s}, "state_bytes": {L: bytes}}}, "parameters": {method: count}}."""
-    longest = max(lengths)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _measure(lengths, methods, arch, layers, vocab, model_args, longest)
-    finally:
-        torch.set_num_threads(threads_before)
+    with torch_threads(threads):
+        return _measure(lengths, methods, arch, layers, vocab, model_args, max(lengths))
 
 
 def _measure(lengths, methods, arch, layers, vocab, model_args, longest) -> Dict:

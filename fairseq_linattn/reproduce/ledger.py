@@ -24,8 +24,10 @@ def _cell(text: str) -> str:
 
 def _machine(rec: Dict) -> str:
     m = rec["machine"]
-    return (f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, {m['torch_threads']} threads, "
-            f"Python {m['python']}; load average at the start {rec['load'][0][0]:.1f}, at the end {rec['load'][1][0]:.1f}")
+    threads = rec["settings"].get("threads")
+    return (f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, Python {m['python']}"
+            + (f", {threads} thread(s)" if threads else "")
+            + f"; load average at the start {rec['load'][0][0]:.1f}, at the end {rec['load'][1][0]:.1f}")
 
 
 def render(records: Dict[str, Dict]) -> str:

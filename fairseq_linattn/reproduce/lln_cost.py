@@ -9,7 +9,9 @@ longest-sequence claim is softmax *with* dropout 0.1 at more lengths: with dropo
 materialises the N x N probabilities, so its memory grows as N². This module runs the same benchmark
 script for it at N = 512 ... 1280 (each update stays below ~6 GiB on this shared machine; 2048
 needs 8.3 GiB above the parameters and is taken from the committed file), with LLN and LLN+Diag
-beside it, so that time ratios compare updates measured in one run, under the same machine load.
+beside it, so that time ratios compare updates measured in one run, under the same machine load, on
+one thread (two-thread updates on this shared machine waited for descheduled threads: 60 s instead
+of 2 s at N = 512).
 
 The memory of an update is the benchmark's peak above parameters and optimizer state plus that
 state (parameters, Adam's two moments): what a device must hold. The fits and the longest N that
@@ -33,7 +35,7 @@ DEFAULTS = dict(sizes=(512, 768, 1024, 1280), methods=("softmax", "lln", "lln_di
 def benchmark_command(sizes: Sequence[int], out: Path, plot: Path, quick: bool = False) -> List[str]:
     cmd = [sys.executable, str(BENCHMARK_SCRIPT), "--parts", "train", "--train-methods", "softmax", "lln", "lln_diag",
            "--attention-dropout", "0.1", "--train-sizes", *map(str, sizes), "--train-repeats", "2",
-           "--min-repeats", "2", "--json", str(out), "--plot", str(plot)]
+           "--min-repeats", "2", "--threads", "1", "--json", str(out), "--plot", str(plot)]
     return cmd + (["--quick"] if quick else [])
 
 

@@ -21,12 +21,13 @@ from typing import Dict, Sequence
 import torch
 
 from ..analysis.concentration import attention_matrix, entropy, log_moments, spectral_gap
+from .common import torch_threads
 from ..ops.moment_matching import PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants, lln_alpha_beta
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_fit", "lln_exact")
 DEFAULTS = dict(head_dims=(32, 64, 128), seq_len=512, variances=(0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0),
-                num_matrices=4, fit_range=(1.0, 4.0), seed=0)
-QUICK = dict(head_dims=(16,), seq_len=32, variances=(0.5, 1.0), num_matrices=2, fit_range=(1.0, 4.0), seed=0)
+                num_matrices=4, fit_range=(1.0, 4.0), seed=0, threads=1)
+QUICK = dict(head_dims=(16,), seq_len=32, variances=(0.5, 1.0), num_matrices=2, fit_range=(1.0, 4.0), seed=0, threads=1)
 
 
 def _alpha_beta(method: str, sigma: float, constants: Dict[str, float], head_dim: int, seq_len: int):
@@ -39,10 +40,15 @@ def _alpha_beta(method: str, sigma: float, constants: Dict[str, float], head_dim
     return exact_moment_table(head_dim, seq_len).alpha_beta(sigma, sigma)
 
 
-@torch.no_grad()
 def measure(*, head_dims: Sequence[int], seq_len: int, variances: Sequence[float], num_matrices: int,
-            fit_range: Sequence[float], seed: int) -> Dict:
+            fit_range: Sequence[float], seed: int, threads: int) -> Dict:
     """{"per_head_dim": {D: {"fit": {a, b}, "points": [{input_variance, theory, <method>: measures}]}}}."""
+    with torch_threads(threads):
+        return _measure(head_dims, seq_len, variances, num_matrices, fit_range, seed)
+
+
+@torch.no_grad()
+def _measure(head_dims, seq_len, variances, num_matrices, fit_range, seed) -> Dict:
     out = {}
     for head_dim in head_dims:
         a, b = fit_moment_constants(head_dim, seq_len, tuple(fit_range), seed=seed)

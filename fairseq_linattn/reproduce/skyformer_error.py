@@ -18,11 +18,12 @@ from typing import Dict, Sequence
 import torch
 
 from ..ops import kernelized_attention, skyformer_attention
+from .common import torch_threads
 
 INPUTS = ("gaussian", "low_rank")
 DEFAULTS = dict(seq_lens=(512, 1024, 2048, 4096), landmarks=(16, 32, 64, 128, 256), head_dim=64, heads=4,
-                draws=2, seed=0)
-QUICK = dict(seq_lens=(64, 128), landmarks=(8, 32), head_dim=16, heads=2, draws=1, seed=0)
+                draws=2, seed=0, threads=1)
+QUICK = dict(seq_lens=(64, 128), landmarks=(8, 32), head_dim=16, heads=2, draws=1, seed=0, threads=1)
 
 
 def _qkv(kind: str, n: int, heads: int, head_dim: int, gen: torch.Generator):
@@ -43,10 +44,15 @@ def relative_spectral_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.
     return torch.linalg.matrix_norm(approx - exact, ord=2) / torch.linalg.matrix_norm(exact, ord=2)
 
 
-@torch.no_grad()
 def measure(*, seq_lens: Sequence[int], landmarks: Sequence[int], head_dim: int, heads: int, draws: int,
-            seed: int) -> Dict:
+            seed: int, threads: int) -> Dict:
     """{"errors": {input: {N: {landmarks: mean relative spectral error}}}}."""
+    with torch_threads(threads):
+        return _measure(seq_lens, landmarks, head_dim, heads, draws, seed)
+
+
+@torch.no_grad()
+def _measure(seq_lens, landmarks, head_dim, heads, draws, seed) -> Dict:
     gen = torch.Generator().manual_seed(seed)
     errors: Dict[str, Dict[str, Dict[str, float]]] = {}
     for kind in INPUTS:
