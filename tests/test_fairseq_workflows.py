@@ -1,11 +1,14 @@
 """fairseq workflows beyond plain training: fine-tuning, linearization, decoding, DDP, precision."""
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from fairseq_data import USER_DIR, make_classification_data, make_lm_data, make_translation_data, run
+from fairseq_data import (USER_DIR, make_classification_data, make_lm_data, make_translation_data, run,
+                          write_corpus)
 from test_fairseq_cli import TRAIN_COMMON, train_lm
 
 TINY_ROBERTA = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
@@ -107,6 +110,7 @@ def test_lm_trains_with_activation_checkpointing_and_bf16(lm_data, tmp_path, ext
     assert all(torch.isfinite(t.float()).all() for t in state.values())
 
 
+@pytest.mark.slow
 def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, tmp_path):
     # fixed alpha/beta: batch statistics (and EMA folds) are per micro-batch, so they differ legitimately
     # between 2 ranks x 1 micro-batch and 1 process x 2 micro-batches
@@ -133,3 +137,83 @@ def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, t
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "@ 4 updates" in resumed.stderr + resumed.stdout  # "Loaded checkpoint ... (epoch 1 @ 4 updates)"
     assert load_model_state(tmp_path / "two" / "checkpoint_last.pt").keys() == a.keys()
+
+
+# fairseq-train that also writes, per rank, the alpha and beta of every training forward's moment matching
+RECORDING_TRAIN = """
+import json, os, sys
+from fairseq_cli.train import cli_main  # first, as under fairseq-train: its logging set-up
+import torch.distributed as dist
+from fairseq_linattn.ops.moment_matching import MomentMatcher
+
+match = MomentMatcher._match
+
+def recording_match(self, var_q, var_k, like):
+    result = match(self, var_q, var_k, like)
+    if self.training:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.path.join(os.environ["LINATTN_RECORD_DIR"], f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps([self.last_alpha.tolist(), self.last_beta.tolist()]) + "\\n")
+    return result
+
+MomentMatcher._match = recording_match
+sys.exit(cli_main())
+"""
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_cpu_ddp_batch_statistics_are_all_reduced_like_one_process_on_the_global_batch(tmp_path):
+    """--lln-stats batch under 2 gloo ranks x 4 sequences: both ranks match on the statistics of all 8,
+    so alpha, beta, losses and parameters equal a 1-process run with batches of 8."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    write_corpus(raw / "train.txt", 32, 11)  # 4 updates of 8 sequences: one epoch
+    write_corpus(raw / "valid.txt", 8, 12)
+    data = tmp_path / "bin"
+    run(["fairseq-preprocess", "--only-source", "--trainpref", raw / "train.txt", "--validpref", raw / "valid.txt",
+         "--destdir", data, "--workers", "1"])
+    script = tmp_path / "recording_train.py"
+    script.write_text(RECORDING_TRAIN)
+    # one sequence per sample; batches as asked (fairseq's default multiple of 8 drops samples from batches of
+    # 4); grouped shuffling hands the 2 ranks of an update the two halves of the 1-process batch
+    args = [str(data), "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "linattn_roberta_tiny",
+            "--encoder-attention-type", "lln,lln_diag", "--lln-stats", "batch", "--lln-diag-block-size", "8",
+            "--sample-break-mode", "eos", "--tokens-per-sample", "64", "--required-batch-size-multiple", "1",
+            "--grouped-shuffling", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4",
+            "--dropout", "0", "--attention-dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1",
+            "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--disable-validation"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    (tmp_path / "rec2").mkdir()
+    two = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+                          f"{sys.executable} {script}", "--", *args, "--batch-size", "4", "--save-dir",
+                          str(tmp_path / "two")], capture_output=True, text=True, timeout=600,
+                         env={**env, "LINATTN_RECORD_DIR": str(tmp_path / "rec2")})
+    assert two.returncode == 0, two.stderr[-4000:]
+    (tmp_path / "rec1").mkdir()
+    one = subprocess.run([sys.executable, str(script), *args, "--cpu", "--batch-size", "8", "--save-dir",
+                          str(tmp_path / "one")], capture_output=True, text=True, timeout=600,
+                         env={**env, "LINATTN_RECORD_DIR": str(tmp_path / "rec1")})
+    assert one.returncode == 0, one.stderr[-4000:]
+
+    rank0, rank1 = read_records(tmp_path / "rec2" / "rank0.jsonl"), read_records(tmp_path / "rec2" / "rank1.jsonl")
+    single = read_records(tmp_path / "rec1" / "rank0.jsonl")
+    assert len(rank0) == len(rank1) == len(single) == 4 * 2  # 4 updates x 2 LLN layers
+    assert rank0 == rank1  # all-reduced statistics: the same float64 sums on both ranks
+    for (a2, b2), (a1, b1) in zip(rank0, single):
+        assert a2 == pytest.approx(a1, rel=1e-6) and b2 == pytest.approx(b1, rel=1e-6)
+    assert len({a for (a,), _ in single}) == len(single)  # the statistics changed with every batch and layer
+
+    logs = [[json.loads(line.split("|")[-1]) for line in (proc.stdout + proc.stderr).splitlines()
+             if "| train_inner |" in line] for proc in (two, one)]
+    assert len(logs[0]) == len(logs[1]) == 4
+    for a, b in zip(*logs):
+        assert a["bsz"] == b["bsz"] == "8"  # the same global batch
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=2e-3)  # logged with 3 decimals
+    a, b = (load_model_state(tmp_path / run / "checkpoint_last.pt") for run in ("two", "one"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
