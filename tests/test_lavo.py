@@ -1,4 +1,4 @@
-"""LAVO ops (SPEC §6): fast windowed form vs the materialised reference, causality, padding,
+"""LAVO ops (docs/design.md §6): fast windowed form vs the materialised reference, causality, padding,
 gradients, half precision, token-by-token decoding and argument errors."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""LLN moment matching (SPEC §3.1): the matched var(log P_LLN) equals softmax's sigma_q² sigma_k².
+"""LLN moment matching (docs/design.md §3.1): the matched var(log P_LLN) equals softmax's sigma_q² sigma_k².
 
 sigma is the std of the entries of q, k as softmax receives them (scores q·k/sqrt(D)), so softmax's
 score variance is sigma_q² sigma_k²; the first test pins that convention down.

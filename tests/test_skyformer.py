@@ -1,4 +1,4 @@
-"""Kernelized attention (exact Gaussian kernel) and Skyformer (its Nyström approximation), SPEC §5."""
+"""Kernelized attention (exact Gaussian kernel) and Skyformer (its Nyström approximation), docs/design.md §5."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Concentration instruments (SPEC §8); fairseq is imported only where needed (modules, checkpoints).
+"""Concentration instruments (docs/design.md §8); fairseq is imported only where needed (modules, checkpoints).
 
 - ``concentration``: the measures on a row-stochastic matrix (entropy, spectral gap, sparsity, ln P
   moments, temperatures) and the softmax / LLN matrix from q, k;

@@ -1,4 +1,4 @@
-"""Concentration instruments for attention matrices (SPEC §8; LLN §3).
+"""Concentration instruments for attention matrices (docs/design.md §8; LLN §3).
 
 Every measure takes a row-stochastic matrix P of shape (..., R, N) (R = N for a full matrix, R < N
 when only sampled rows were materialised) and returns one value per leading index: a (R, N) input
@@ -65,7 +65,7 @@ def sparsity(P: Tensor) -> Tensor:
     """l1/l2 sparsity S = E|a| / sqrt(E a^2) per row (mean over the row's N entries, zeros included),
     averaged over rows.  P: (..., R, N) -> (...).  1 for a uniform row, 1/sqrt(N) for a one-hot row.
 
-    For softmax with keys k ~ N(mu, s^2 I) and a scaled query q, S -> exp(-s^2 |q|^2 / 2) (SPEC §8).
+    For softmax with keys k ~ N(mu, s^2 I) and a scaled query q, S -> exp(-s^2 |q|^2 / 2) (Su 2023; docs/design.md §8).
     """
     P = _check_matrix("P", P)
     l1 = P.abs().mean(-1)
@@ -125,7 +125,7 @@ def lln_temperature(alpha, beta, sigma_q, sigma_k, a, b) -> Tensor:
     """Temperature of LLN attention, tau_lln = 1/sqrt(a(alpha^2 sigma_q^2 + beta^2 sigma_k^2) + b).
 
     Floats or broadcastable tensors; a, b are the moment-matching constants of LLN Prop. 4.1.
-    With alpha, beta from moment matching (SPEC §3.1) it equals 1/(sigma_q sigma_k), the Gaussian-model
+    With alpha, beta from moment matching (docs/design.md §3.1) it equals 1/(sigma_q sigma_k), the Gaussian-model
     value of ``softmax_temperature``.
     """
     # LLN eq. 11

@@ -40,7 +40,7 @@ def _gap(C: Tensor, markov: Tensor) -> Tensor:
 
 def _comparison(q: Tensor, k: Tensor, rows: Tensor, causal: bool, sigma_q: Tensor, sigma_k: Tensor):
     """var ln(n_i P_ij) of softmax, unmatched LLN and paper-matched LLN on one sequence's q, k (H, n, D)."""
-    alpha, beta = lln_alpha_beta(sigma_q, sigma_k)  # SPEC §3.1 with the paper's a, b, per head
+    alpha, beta = lln_alpha_beta(sigma_q, sigma_k)  # LLN eq. 10 with the paper's a, b, per head
     settings = {"softmax": ("softmax", None, None), "lln_unmatched": ("lln", 1.0, 1.0),
                 "lln_paper": ("lln", alpha.view(1, -1, 1, 1), beta.view(1, -1, 1, 1))}
     return {f"log_p_rel_var_{name}": log_moments(attention_matrix(kind, q[None], k[None], alpha=a, beta=b_,

@@ -3,7 +3,7 @@
 q, k have i.i.d. N(0, sigma²) entries ("input variance" sigma² per side), so softmax scores q·k/sqrt(D)
 have variance sigma⁴ and ln P_softmax is about N(-ln N - sigma⁴/2, sigma⁴) (Prop. 3.1). LLN is
 measured unmatched (alpha = beta = 1, whose var(log P) grows like a(2 sigma²) + b, Prop. 4.1) and
-moment-matched (alpha, beta from sigma by the paper's constants and by the ``exact`` table, SPEC §3.1),
+moment-matched (alpha, beta from sigma by the paper's constants and by the ``exact`` table, docs/design.md §3.1),
 which should follow softmax. Every variance reuses the same normal draws, so the curves are smooth.
 """
 import math

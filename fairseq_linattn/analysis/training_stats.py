@@ -1,4 +1,4 @@
-"""Training-time concentration logging (``--attention-stats-interval K``, SPEC §7).
+"""Training-time concentration logging (``--attention-stats-interval K``, docs/design.md §7).
 
 ``install_attention_stats(model, K)`` adds a parameter-free submodule, ``AttentionStatsRecorder``,
 and a forward hook on every plugin self-attention module. fairseq's ``FairseqTask.train_step`` calls

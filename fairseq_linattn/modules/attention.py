@@ -231,7 +231,7 @@ class SoftmaxAttention(AttentionBase):
 
 
 class LLNAttention(AttentionBase):
-    """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (§3.1 of SPEC)."""
+    """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (docs/design.md §3.1)."""
 
     method = "lln"
 

@@ -1,4 +1,4 @@
-"""Pure-PyTorch attention ops (no fairseq import). Tensors are (B, H, N, D); see SPEC §1.1.
+"""Pure-PyTorch attention ops (no fairseq import). Tensors are (B, H, N, D); see docs/design.md §1.1.
 
 Each fast op has a ``*_reference`` twin that materialises the N×N matrix from the paper's formula.
 """

@@ -1,4 +1,4 @@
-"""Kernelized attention: the exact Gaussian-kernel form that Skyformer approximates (Skyformer §4.1, SPEC §5).
+"""Kernelized attention: the exact Gaussian-kernel form Skyformer approximates (Skyformer §4.1; docs/design.md §5).
 
 Non-causal only. No row normalisation: ``out = C V`` with C the (unnormalised) Gaussian kernel matrix.
 """

@@ -1,4 +1,4 @@
-"""LAVO: linear attention via orthogonal memory (LAVO §3; the exact definition is SPEC §6).
+"""LAVO: linear attention via orthogonal memory (LAVO §3; the exact definition is docs/design.md §6).
 
 Self-attention output ``0.5 * (F_local + F_global)``:
 - ``F_local``: softmax attention inside a window of ``w`` tokens with a learnable relative bias
@@ -254,7 +254,7 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
 def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *,
                              window: int = 64, causal: bool = True,
                              key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """SPEC §6 materialised: N×N local mask and bias, per-query memory mask and Xtil (B,H,N,r,D)."""
+    """docs/design.md §6 materialised: N×N local mask and bias, per-query memory mask and Xtil (B,H,N,r,D)."""
     w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
     b, h, n, d = q.shape
     ct = compute_dtype(q)

@@ -1,4 +1,4 @@
-"""LLN moment matching (LLN §4.1, Appendix A.7; SPEC §3.1): choose alpha, beta so that
+"""LLN moment matching (LLN §4.1, Appendix A.7; docs/design.md §3.1): choose alpha, beta so that
 var(log P_LLN) equals softmax's var(log P) = sigma_q² sigma_k² (LLN eq. 5, C_cross ignored).
 
 Convention for sigma: sigma_q, sigma_k are the standard deviations of the entries of q, k *as softmax
@@ -229,7 +229,7 @@ def exact_moment_table(head_dim: int, seq_len: int = 512) -> ExactMomentTable:
 
 
 class MomentMatcher(nn.Module):
-    """The moment-matching hook: (q, k) -> (alpha, beta) for ``lln_attention`` (SPEC §3.1).
+    """The moment-matching hook: (q, k) -> (alpha, beta) for ``lln_attention`` (docs/design.md §3.1).
 
     mode: paper | fit | exact | off. a, b: Prop. 4.1 constants (default: the paper's; for ``fit``
     read from ``constants_file`` unless given). stats: ``batch`` (the current batch, the authors'
@@ -393,7 +393,7 @@ class MomentMatcher(nn.Module):
 def main(argv=None) -> None:
     """Command line: ``fit`` writes fitted a, b (LLN Appendix A.7) to a JSON for --lln-constants-file."""
     parser = argparse.ArgumentParser(prog="python -m fairseq_linattn.ops.moment_matching",
-                                     description="LLN moment-matching constants (SPEC §3.1)")
+                                     description="LLN moment-matching constants (docs/design.md §3.1)")
     sub = parser.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="fit a, b of var(log P_LLN) = a (sigma_q~² + sigma_k~²) + b (LLN A.7)")
     fit.add_argument("--head-dim", type=int, required=True, help="attention head dim D")

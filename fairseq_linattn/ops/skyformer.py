@@ -1,4 +1,4 @@
-"""Skyformer: Nyström approximation of kernelized attention (Skyformer §4.2, eq. 4–6, §4.4; SPEC §5).
+"""Skyformer: Nyström approximation of kernelized attention (Skyformer §4.2, eq. 4–6, §4.4; docs/design.md §5).
 
 Non-causal self-attention only. With X = [Q; K] (2N rows, scaled by D^(-1/4)) and d landmark rows L of X:
 ``C ≈ C_Q M^-1 C_K^T`` with C_Q = kappa(Q, L), C_K = kappa(K, L), M = kappa(L, L) + gamma I, and M^-1
