@@ -18,7 +18,7 @@ PYTHON
 
 usage() {
   cat <<USAGE
-Usage: bash scripts/reproduce.sh [--only GROUP ...] [--reuse-quickstart] [--quick]
+Usage: bash scripts/reproduce.sh [--only GROUP ...] [--reuse-quickstart] [--reuse-benchmark] [--quick]
        bash scripts/reproduce.sh --render [--check]
 
 Measures every claim group of docs/reproduction.md, writes docs/reproduction/GROUP.json and
@@ -26,7 +26,8 @@ regenerates docs/reproduction.md from the JSON. Full run: $(expected).
 Groups:
   lln_distribution  LLN Prop. 3.1, Fig. 5b, Fig. 2: var ln P, entropy, spectral gap on Gaussian q, k
   lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs scripts/benchmark_model.py
-                    for softmax with attention dropout 0.1; the other points from docs/benchmarks/*.json)
+                    for softmax with attention dropout 0.1, LLN and LLN+Diag at N = 512-1280; the other points
+                    from docs/benchmarks/*.json; --reuse-benchmark re-reads that run instead of measuring)
   quickstart        LLN Table 1, LAVO Table 2 analogues: runs scripts/quickstart.sh into
                     runs/reproduction/quickstart (--reuse-quickstart reads an earlier run there)
   skyformer_error   Skyformer Fig. 1: Nyström error against the number of landmarks

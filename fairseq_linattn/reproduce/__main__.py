@@ -33,7 +33,7 @@ def _command(group: str, quick: bool) -> str:
 
 
 def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstart: bool,
-               quickstart_dir: Path) -> None:
+               quickstart_dir: Path, reuse_benchmark: bool = False) -> None:
     for group in groups:
         print(f"[reproduce] {group}", flush=True)
         if group == "lln_distribution":
@@ -51,10 +51,13 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
                                           "from docs/benchmarks/model.json and model_attention_dropout.json")
 
             def measure_cost():
-                if not quick:
+                if not (quick or reuse_benchmark):
                     lln_cost.run_softmax_dropout(settings["sizes"])
                 return lln_cost.collect(settings["methods"])
-            common.run_group(group, _command(group, quick), settings, measure_cost, out)
+            earlier = common.load_results(out).get(group) if reuse_benchmark else None
+            command = _command(group, quick) + (", re-read with --reuse-benchmark" if reuse_benchmark else "")
+            common.run_group(group, command, settings, measure_cost, out,
+                             wall_s=earlier["wall_s"] if earlier else None)
         elif group == "quickstart":
             settings = {"run_dir": str(Path(quickstart_dir).resolve().relative_to(common.ROOT))
                         if Path(quickstart_dir).resolve().is_relative_to(common.ROOT) else str(quickstart_dir),
@@ -99,6 +102,8 @@ def main(argv: List[str] = None) -> int:
     run.add_argument("--reuse-quickstart", action="store_true",
                      help="read an earlier quick-start run in --quickstart-dir instead of running it again")
     run.add_argument("--quickstart-dir", type=Path, default=quickstart.RUN_DIR)
+    run.add_argument("--reuse-benchmark", action="store_true",
+                     help=f"lln_cost: read {lln_cost.RAW_JSON.name} as measured before instead of measuring again")
     run.add_argument("--quick", action="store_true", help="tiny sizes (checks the code runs; not for the ledger)")
     run.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     run.add_argument("--ledger", type=Path, default=common.LEDGER)
@@ -116,7 +121,7 @@ def main(argv: List[str] = None) -> int:
         return render(args.results, args.ledger, args.check)
     print(f"[reproduce] {expected_text(args.only)}", flush=True)
     run_groups(args.only, out=args.out, quick=args.quick, reuse_quickstart=args.reuse_quickstart,
-               quickstart_dir=args.quickstart_dir)
+               quickstart_dir=args.quickstart_dir, reuse_benchmark=args.reuse_benchmark)
     return render(args.out, args.ledger, check=False)
 
 
