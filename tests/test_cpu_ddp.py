@@ -1,5 +1,7 @@
-"""The CPU DDP launcher fails loudly: a failed rank stops the others and the launcher exits non-zero."""
+"""CPU data parallelism: the launcher fails loudly (a failed rank stops the others, the launcher exits
+non-zero), and moment matching's batch statistics are all-reduced across gloo ranks."""
 import io
+import json
 import os
 import signal
 import subprocess
@@ -9,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fairseq_linattn import cpu_ddp
+from fairseq_linattn.ops.moment_matching import MomentMatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,3 +162,91 @@ def test_interrupting_the_launcher_stops_every_rank(tmp_path, sig):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig, err
     assert all(wait_gone(int(p.read_text())) for p in pids)
+
+
+
+# one gloo rank: alpha, beta of batch statistics after one training forward on its shard, and of EMA
+# statistics after that forward is folded in; with rank 1 taking part, or inside statistics_left_out (as on a
+# fairseq dummy batch)
+GLOO_RANK = """
+import contextlib, json, sys
+sys.modules["fairseq"] = None  # the ops need no fairseq (and start faster without it)
+import torch, torch.distributed as dist
+from fairseq_linattn.ops.moment_matching import MomentMatcher, statistics_left_out
+
+rank, port, data = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+q, k, mask = torch.load(data)[rank]
+out = {}
+for left_out in (False, True):
+    for stats in ("batch", "ema"):
+        m = MomentMatcher(head_dim=4, num_heads=2, per_head=True, stats=stats, ema_momentum=0.5).train()
+        with statistics_left_out() if left_out and rank == 1 else contextlib.nullcontext():
+            m(q, k, mask)
+        if stats == "ema":
+            m(q, k, mask)  # uses the buffers the first forward folded its statistics into
+        out[f"{left_out} {stats}"] = [m.last_alpha.tolist(), m.last_beta.tolist()]
+print(json.dumps(out))
+"""
+
+
+def one_process(q, k, mask):
+    """GLOO_RANK's values computed in this process on one batch."""
+    out = {}
+    for stats in ("batch", "ema"):
+        m = MomentMatcher(head_dim=4, num_heads=2, per_head=True, stats=stats, ema_momentum=0.5).train()
+        m(q, k, mask)
+        if stats == "ema":
+            m(q, k, mask)
+        out[stats] = [m.last_alpha.tolist(), m.last_beta.tolist()]
+    return out
+
+
+def shard(gen, scale):
+    q = scale * torch.randn(3, 2, 9, 4, generator=gen, dtype=torch.float64)
+    k = 2 * scale * torch.randn(3, 2, 9, 4, generator=gen, dtype=torch.float64) + 0.5
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[1, 6:] = True
+    mask[2, :4] = True
+    return q, k, mask
+
+
+def test_moment_matching_statistics_are_all_reduced_across_gloo_ranks(tmp_path, gen):
+    shards = [shard(gen, 1.0), shard(gen, 3.0)]  # different scales: a rank's own statistics would show
+    torch.save(shards, tmp_path / "shards.pt")
+    script = tmp_path / "rank.py"
+    script.write_text(GLOO_RANK)
+    port = str(cpu_ddp.free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path / "shards.pt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    rank0, rank1 = (json.loads(out) for out, _ in outs)
+    assert rank0 == rank1  # the same all-reduced sums on both ranks
+    # one process on the whole global batch, or on rank 0's shard alone when rank 1 adds nothing
+    whole = one_process(*(torch.cat(parts) for parts in zip(*shards)))
+    alone = one_process(*shards[0])
+    assert whole != alone  # the shards' statistics differ
+    for left_out, expected in ((False, whole), (True, alone)):
+        for stats in ("batch", "ema"):
+            torch.testing.assert_close(torch.tensor(rank0[f"{left_out} {stats}"]), torch.tensor(expected[stats]),
+                                       rtol=1e-10, atol=0, msg=f"left_out={left_out} stats={stats}")
+
+
+def test_a_forward_left_out_of_the_statistics_folds_nothing_into_the_ema(gen):
+    from fairseq_linattn.ops.moment_matching import statistics_left_out
+
+    q, k, mask = shard(gen, 3.0)
+    ema = MomentMatcher(head_dim=4, num_heads=2, per_head=True, stats="ema", ema_momentum=0.5).train()
+    batch = MomentMatcher(head_dim=4, num_heads=2, per_head=True, stats="batch").train()
+    ema(q, k, mask)  # buffers away from their initial 1
+    buffers = ema.ema_var_q.clone(), ema.ema_var_k.clone()
+    with statistics_left_out():  # every rank on a dummy batch: no token anywhere
+        ema(2 * q, 2 * k, mask)
+        alpha, beta = batch(q, k, mask)
+    assert torch.equal(ema.ema_var_q, buffers[0]) and torch.equal(ema.ema_var_k, buffers[1])
+    assert bool(torch.isfinite(alpha).all() and torch.isfinite(beta).all())
+    ema(2 * q, 2 * k, mask)  # outside: folded in again
+    assert not torch.equal(ema.ema_var_q, buffers[0])

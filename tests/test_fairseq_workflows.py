@@ -165,55 +165,77 @@ def read_records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_cpu_ddp_batch_statistics_are_all_reduced_like_one_process_on_the_global_batch(tmp_path):
-    """--lln-stats batch under 2 gloo ranks x 4 sequences: both ranks match on the statistics of all 8,
-    so alpha, beta, losses and parameters equal a 1-process run with batches of 8."""
+def ddp_and_one_process(tmp_path, lines, *extra):
+    """masked_lm with --lln-stats batch: 2 gloo ranks x batches of 4 and 1 process x batches of 8 on ``lines``
+    generated sequences; returns per-rank (alpha, beta) records, train_inner logs and final model states."""
     raw = tmp_path / "raw"
     raw.mkdir()
-    write_corpus(raw / "train.txt", 32, 11)  # 4 updates of 8 sequences: one epoch
+    write_corpus(raw / "train.txt", lines, 11)
     write_corpus(raw / "valid.txt", 8, 12)
     data = tmp_path / "bin"
     run(["fairseq-preprocess", "--only-source", "--trainpref", raw / "train.txt", "--validpref", raw / "valid.txt",
          "--destdir", data, "--workers", "1"])
     script = tmp_path / "recording_train.py"
     script.write_text(RECORDING_TRAIN)
-    # one sequence per sample; batches as asked (fairseq's default multiple of 8 drops samples from batches of
-    # 4); grouped shuffling hands the 2 ranks of an update the two halves of the 1-process batch
+    # one sequence per sample, batches as asked (fairseq's default multiple of 8 drops samples from batches of 4)
     args = [str(data), "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "linattn_roberta_tiny",
             "--encoder-attention-type", "lln,lln_diag", "--lln-stats", "batch", "--lln-diag-block-size", "8",
             "--sample-break-mode", "eos", "--tokens-per-sample", "64", "--required-batch-size-multiple", "1",
-            "--grouped-shuffling", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4",
-            "--dropout", "0", "--attention-dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1",
-            "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--disable-validation"]
+            "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4", "--dropout", "0",
+            "--attention-dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1",
+            "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--disable-validation", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    (tmp_path / "rec2").mkdir()
-    two = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
-                          f"{sys.executable} {script}", "--", *args, "--batch-size", "4", "--save-dir",
-                          str(tmp_path / "two")], capture_output=True, text=True, timeout=600,
-                         env={**env, "LINATTN_RECORD_DIR": str(tmp_path / "rec2")})
-    assert two.returncode == 0, two.stderr[-4000:]
-    (tmp_path / "rec1").mkdir()
-    one = subprocess.run([sys.executable, str(script), *args, "--cpu", "--batch-size", "8", "--save-dir",
-                          str(tmp_path / "one")], capture_output=True, text=True, timeout=600,
-                         env={**env, "LINATTN_RECORD_DIR": str(tmp_path / "rec1")})
-    assert one.returncode == 0, one.stderr[-4000:]
+    runs = {"two": [sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+                    f"{sys.executable} {script}", "--", *args, "--batch-size", "4"],
+            "one": [sys.executable, str(script), *args, "--cpu", "--batch-size", "8"]}
+    records, logs, states = {}, {}, {}
+    for name, cmd in runs.items():
+        (tmp_path / f"rec_{name}").mkdir()
+        proc = subprocess.run([*cmd, "--save-dir", str(tmp_path / name)], capture_output=True, text=True,
+                              timeout=600, env={**env, "LINATTN_RECORD_DIR": str(tmp_path / f"rec_{name}")})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records[name] = [read_records(path) for path in sorted((tmp_path / f"rec_{name}").glob("rank*.jsonl"))]
+        logs[name] = [json.loads(line.split("|")[-1]) for line in (proc.stdout + proc.stderr).splitlines()
+                      if "| train_inner |" in line]
+        states[name] = load_model_state(tmp_path / name / "checkpoint_last.pt")
+    return records, logs, states
 
-    rank0, rank1 = read_records(tmp_path / "rec2" / "rank0.jsonl"), read_records(tmp_path / "rec2" / "rank1.jsonl")
-    single = read_records(tmp_path / "rec1" / "rank0.jsonl")
+
+def check_ddp_equals_one_process(records, logs, states):
+    (rank0, rank1), (single,) = records["two"], records["one"]
     assert len(rank0) == len(rank1) == len(single) == 4 * 2  # 4 updates x 2 LLN layers
     assert rank0 == rank1  # all-reduced statistics: the same float64 sums on both ranks
     for (a2, b2), (a1, b1) in zip(rank0, single):
         assert a2 == pytest.approx(a1, rel=1e-6) and b2 == pytest.approx(b1, rel=1e-6)
     assert len({a for (a,), _ in single}) == len(single)  # the statistics changed with every batch and layer
-
-    logs = [[json.loads(line.split("|")[-1]) for line in (proc.stdout + proc.stderr).splitlines()
-             if "| train_inner |" in line] for proc in (two, one)]
-    assert len(logs[0]) == len(logs[1]) == 4
-    for a, b in zip(*logs):
-        assert a["bsz"] == b["bsz"] == "8"  # the same global batch
+    assert len(logs["two"]) == len(logs["one"]) == 4
+    for a, b in zip(logs["two"], logs["one"]):
+        assert a["bsz"] == b["bsz"]  # the same global batch
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=2e-3)  # logged with 3 decimals
-    a, b = (load_model_state(tmp_path / run / "checkpoint_last.pt") for run in ("two", "one"))
+    a, b = states["two"], states["one"]
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_cpu_ddp_batch_statistics_are_all_reduced_like_one_process_on_the_global_batch(tmp_path):
+    """--lln-stats batch under 2 gloo ranks x 4 sequences: both ranks match on the statistics of all 8,
+    so alpha, beta, losses and parameters equal a 1-process run with batches of 8."""
+    # 4 updates of 8 sequences, one epoch; grouped shuffling hands the 2 ranks of an update the two halves
+    # of the 1-process batch
+    records, logs, states = ddp_and_one_process(tmp_path, 32, "--grouped-shuffling")
+    assert all(log["bsz"] == "8" for log in logs["two"])
+    check_ddp_equals_one_process(records, logs, states)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a rank without data runs fairseq's dummy batch (a copy of a real one, "
+                                       "ignore_grad=True), whose statistics join the all-reduce until "
+                                       "metrics_hook runs such a train_step inside statistics_left_out()")
+def test_cpu_ddp_batch_statistics_leave_out_a_ranks_dummy_batch(tmp_path):
+    # 28 sequences in 7 batches of 4, unshuffled (--curriculum 1): the 4th update gives rank 0 the last
+    # 4 sequences and rank 1 nothing, so rank 1 runs fairseq's dummy batch; 1 process: 8, 8, 8 and 4
+    records, logs, states = ddp_and_one_process(tmp_path, 28, "--curriculum", "1")
+    assert [log["bsz"] for log in logs["one"]] == ["8", "8", "8", "4"]
+    check_ddp_equals_one_process(records, logs, states)

@@ -15,6 +15,8 @@ Command line: ``python -m fairseq_linattn.ops.moment_matching fit --head-dim 64 
 --range 1 4 --out constants.json`` (also installed as ``linattn-fit-moments``).
 """
 import argparse
+import contextlib
+import contextvars
 import functools
 import json
 import math
@@ -33,6 +35,21 @@ STATS = ("batch", "ema")
 MIN_SIGMA = 1e-3
 _MIN_S2 = 1e-8  # s² floor when the target variance is below what the linear model can reach
 _F64 = torch.float64
+_STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
+
+
+@contextlib.contextmanager
+def statistics_left_out():
+    """Training forwards inside add no tokens to the batch statistics but still join their all-reduce.
+
+    For fairseq's dummy batches: a rank without data for an update runs a copy of a real batch with
+    ``ignore_grad=True``, so that every rank reaches the same collectives.
+    """
+    token = _STATISTICS_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _STATISTICS_LEFT_OUT.reset(token)
 
 
 def _as_f64(x, device=None) -> Tensor:
@@ -304,8 +321,10 @@ class MomentMatcher(nn.Module):
                 setattr(self, name, buf.float())
         return self
 
-    def _batch_variances(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        """Variances of q and k entries over non-padded tokens, shape (G,); all-reduced in training."""
+    def _batch_variances(self, q: Tensor, k: Tensor,
+                         key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        """Variances of q and k entries over non-padded tokens and their count, each (G,); all-reduced in
+        training, where a forward inside ``statistics_left_out`` adds nothing (variances 1 for no tokens)."""
         dims = (0, 2, 3) if self.per_head else (0, 1, 2, 3)
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
         moments = []
@@ -317,11 +336,15 @@ class MomentMatcher(nn.Module):
         count = _as_f64(tokens, q.device) * q.shape[3] * (1 if self.per_head else q.shape[1])
         moments.append(count.expand_as(moments[0]))
         moments = torch.stack(moments)  # (5, G): sum q, sum q², sum k, sum k², count
+        if self.training and _STATISTICS_LEFT_OUT.get():
+            moments = torch.zeros_like(moments)  # a dummy batch: joins the all-reduce with nothing
         if self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(moments)
-        n = moments[4].clamp_min(1)
+        count = moments[4]
+        n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
         mean_q, mean_k = moments[0] / n, moments[2] / n
-        return (moments[1] / n - mean_q ** 2).clamp_min(0), (moments[3] / n - mean_k ** 2).clamp_min(0)
+        var_q, var_k = (moments[1] / n - mean_q ** 2).clamp_min(0), (moments[3] / n - mean_k ** 2).clamp_min(0)
+        return var_q.masked_fill(empty, 1.0), var_k.masked_fill(empty, 1.0), count
 
     def _match(self, var_q: Tensor, var_k: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
         sigma_q, sigma_k = var_q.to(_F64).sqrt().clamp_min(MIN_SIGMA), var_k.to(_F64).sqrt().clamp_min(MIN_SIGMA)
@@ -361,15 +384,16 @@ class MomentMatcher(nn.Module):
 
     def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
         if self.stats == "batch":
-            return self._match(*self._batch_variances(q, k, key_padding_mask), like=q)
+            return self._match(*self._batch_variances(q, k, key_padding_mask)[:2], like=q)
         var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            batch_q, batch_k = self._batch_variances(q, k, key_padding_mask)
+            batch_q, batch_k, count = self._batch_variances(q, k, key_padding_mask)
             # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
-            # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN
-            finite = torch.isfinite(batch_q) & torch.isfinite(batch_k)
+            # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
+            # nor is one without tokens (every rank on a dummy batch)
+            finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
             m = self.ema_momentum
             for buf, batch in ((self.ema_var_q, batch_q), (self.ema_var_k, batch_k)):
                 old = buf.to(_F64)
