@@ -80,7 +80,7 @@ def test_a_failed_rank_stops_the_hanging_rank_and_gives_a_non_zero_status(tmp_pa
     t0 = time.monotonic()
     code = cpu_ddp.wait_ranks(procs, grace=5.0, log=log)
     elapsed = time.monotonic() - t0
-    assert code == status and elapsed < 5, (code, elapsed)
+    assert code == status and elapsed < 10, (code, elapsed)  # far below the sleeper's 60 s
     assert procs[2].returncode == -signal.SIGTERM  # stopped by the launcher, not left sleeping
     expected = "rank 1 was killed by SIGKILL" if how == "sigkill" else "rank 1 exited with status 3"
     assert expected in log.getvalue() and log.getvalue().count("\n") == 1
@@ -92,7 +92,7 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period_with_its_child
     t0 = time.monotonic()
     code = cpu_ddp.wait_ranks(procs, grace=0.5, log=io.StringIO())
     elapsed = time.monotonic() - t0
-    assert code == 3 and 0.5 <= elapsed < 5, (code, elapsed)
+    assert code == 3 and 0.5 <= elapsed < 10, (code, elapsed)
     assert procs[0].returncode == -signal.SIGKILL
     grandchild = int(pid_file.read_text().split()[1])
     assert wait_gone(grandchild)  # the whole process group went, not only the rank
