@@ -50,6 +50,7 @@ def exit_status(returncode: int) -> int:
 
 
 def describe(rank: int, returncode: int) -> str:
+    """'rank 1 was killed by SIGKILL (signal 9)' or 'rank 1 exited with status 3'."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -82,6 +83,8 @@ def stop(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
 
 
 class _Terminated(Exception):
+    """SIGTERM to the launcher, raised in its main thread."""
+
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
