@@ -59,6 +59,7 @@ def _points(path: Path, methods: Sequence[str], source: str) -> List[Dict]:
         for r in rows:
             if r["status"] == "ok" and r.get("peak_bytes") is not None:
                 out.append({"method": method, "attention_dropout": dropout, "n": r["n"], "seconds": r["median_s"],
+                            "min_seconds": r.get("min_s", r["median_s"]),
                             "peak_bytes": r["peak_bytes"], "state_bytes": r["state_bytes"],
                             "total_bytes": r["peak_bytes"] + r["state_bytes"], "load": (r.get("load") or [None])[0],
                             "source": source})
