@@ -51,7 +51,8 @@ def run_group(group: str, command: str, settings: Dict, measure: Callable[[], Di
     results = measure()
     record = {"group": group, "command": command, "started": started.strftime("%Y-%m-%d %H:%M UTC"),
               "wall_s": round(time.perf_counter() - t0 if wall_s is None else wall_s, 1), "machine": machine_info(torch.device("cpu")),
-              "load": [load_start, load_average()], "settings": settings, "results": results}
+              "load": [load_start, load_average()] if wall_s is None else None,  # unknown for an earlier run
+              "settings": settings, "results": results}
     path = result_path(group, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

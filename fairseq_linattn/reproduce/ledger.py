@@ -27,7 +27,8 @@ def _machine(rec: Dict) -> str:
     threads = rec["settings"].get("threads")
     return (f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, Python {m['python']}"
             + (f", {threads} thread(s)" if threads else "")
-            + f"; load average at the start {rec['load'][0][0]:.1f}, at the end {rec['load'][1][0]:.1f}")
+            + (f"; load average at the start {rec['load'][0][0]:.1f}, at the end {rec['load'][1][0]:.1f}" if rec["load"]
+               else "; measured earlier and read back, load not recorded"))
 
 
 def render(records: Dict[str, Dict]) -> str:
@@ -74,7 +75,7 @@ def render(records: Dict[str, Dict]) -> str:
         if v.note:
             lines.append(f"- Setting: {v.note}.")
         lines.append("")
-    lines += ["## Runs", "", "| result file | command | measured | wall time | machine |", "|---|---|---|---|---|"]
+    lines += ["## Runs", "", "| result file | command | written | wall time of the measurement | machine |", "|---|---|---|---|---|"]
     for group, rec in records.items():
         lines.append("| " + " | ".join(_cell(x) for x in (
             f"`docs/reproduction/{group}.json`", f"`{rec['command']}`", rec["started"], f"{rec['wall_s']:.0f} s",
