@@ -8,11 +8,14 @@ attention modules after each forward, and ``FairseqTask.reduce_metrics`` to log
 ``--tensorboard-logdir`` next to ``loss``, ``lr`` and ``gnorm``. Models without plugin attention add
 nothing, so stock models are unaffected.
 """
+import contextlib
 from typing import Dict
 
 import torch
 from fairseq import metrics
 from fairseq.tasks import FairseqTask
+
+from .ops.moment_matching import statistics_left_out
 
 PREFIX = "linattn_"
 
@@ -61,7 +64,10 @@ def install() -> None:
     train_step, valid_step, reduce_metrics = FairseqTask.train_step, FairseqTask.valid_step, FairseqTask.reduce_metrics
 
     def train_step_with_stats(self, sample, model, *args, **kwargs):
-        loss, sample_size, logging_output = train_step(self, sample, model, *args, **kwargs)
+        # fairseq's dummy batch (a rank without data; ignore_grad=True): its statistics join no all-reduce
+        dummy = kwargs.get("ignore_grad", args[3] if len(args) > 3 else False)
+        with statistics_left_out() if dummy else contextlib.nullcontext():
+            loss, sample_size, logging_output = train_step(self, sample, model, *args, **kwargs)
         _add_stats(model, logging_output)
         return loss, sample_size, logging_output
 
