@@ -1,4 +1,4 @@
-"""Concentration instruments (SPEC §8) against closed forms and LLN's propositions."""
+"""Concentration instruments (docs/design.md §8) against closed forms and LLN's propositions."""
 import math
 
 import pytest
@@ -106,7 +106,7 @@ def test_lln_temperature_closed_form_and_moment_matching():
     assert lln_temperature(1.0, 1.0, 1.0, 1.0, 1.0, 0.0).item() == pytest.approx(1 / math.sqrt(2))
     assert lln_temperature(2.0, 0.5, 1.5, 3.0, 0.2, 0.1).item() == pytest.approx(
         1 / math.sqrt(0.2 * (4 * 2.25 + 0.25 * 9) + 0.1))
-    # SPEC §3.1: alpha, beta from moment matching make tau_lln = 1/(sigma_q sigma_k) = tau_sm
+    # docs/design.md §3.1 (LLN eq. 10-11): alpha, beta from moment matching make tau_lln = 1/(sigma_q sigma_k) = tau_sm
     a, b = 0.14855178144710912, -0.35487039130661086
     sigma_q = torch.tensor([0.7, 1.0, 1.3], dtype=F64)
     sigma_k = torch.tensor([1.1, 1.0, 0.9], dtype=F64)
