@@ -67,9 +67,11 @@ def _set_var(rec, method, factor):
 
 
 def _scale_cost(rec, method, key, factor, dropout=None):
+    keys = ("seconds", "min_seconds") if key == "seconds" else (key,)  # a time edit moves median and fastest
     for p in rec["results"]["points"]:
         if p["method"] == method and (dropout is None or p["attention_dropout"] == dropout):
-            p[key] = p[key] * factor if not callable(factor) else factor(p)
+            for k in keys:
+                p[k] = p[k] * factor if not callable(factor) else factor(p)
 
 
 def _lm(rec, method, ppls):
