@@ -395,7 +395,7 @@ def _ppl_text(rows: List[Dict]) -> str:
 
 
 def _paper_ppl(method: str) -> str:
-    return " → ".join(f"{pr.pg19_ppl(method, f)}" for f in pr.PG19_FACTORS)
+    return " → ".join(f"{pr.pg19_ppl(method, f):.2f}" for f in pr.PG19_FACTORS)
 
 
 def _lm_note(rec: Dict) -> str:
@@ -464,7 +464,7 @@ def _gen_note(rec: Dict) -> str:
 
 
 def _paper_gen(method: str) -> str:
-    return ", ".join(f"{pr.generation_speedup(method, f)}× at {int(pr.PG19_TRAIN_CONTEXT * f)}" for f in pr.PG19_FACTORS)
+    return ", ".join(f"{pr.generation_speedup(method, f):.2f}× at {int(pr.PG19_TRAIN_CONTEXT * f)}" for f in pr.PG19_FACTORS)
 
 
 def table10_trend(rec: Dict) -> Verdict:
