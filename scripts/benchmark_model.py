@@ -16,6 +16,8 @@
   incremental state: the cost per token should not depend on S) beside fairseq's softmax
   cross-attention (keys and values of the S source tokens kept, attended every step). The encoder runs
   once per source, outside the timing, and so does the first decoding step, which reads the source.
+  The models for all S are built first and their steps alternate, so the ratio between two S is not
+  the machine's drift between them.
   ``--parts cross`` re-measures only this part and keeps the others of ``--json``.
 
 Defaults finish in about 25 minutes on 2 busy CPU cores: train at N = 512, 1024, 2048, 4096 for
@@ -189,6 +191,22 @@ def cross_case(method: str, data: Path, args, device):
     return build
 
 
+def interleaved(case, sizes, device, repeats: int, name: str) -> list:
+    """Rows as ``sweep.run`` makes them, with the sizes' calls alternated (one of each in turn, the order
+    flipped every round) so that a ratio between sizes is not a drift of the machine between them."""
+    calls = {n: case(n, None) for n in sizes}
+    samples = {n: [] for n in sizes}
+    for i in range(repeats):
+        for n in (sizes if i % 2 == 0 else sizes[::-1]):
+            samples[n].append(measure.elapsed_seconds(calls[n], device))
+    rows = []
+    for n in sizes:
+        row = {"n": n, "note": None, "peak_bytes": None, **calls[n].extra()}
+        sweep._finish(row, samples[n], print, name)
+        rows.append(row)
+    return rows
+
+
 def run_part(cases, sizes, args, device, repeats):
     """One model alive at a time: each case builds its model at each size, measures it, frees it."""
     res = sweep.run(cases, sizes, device, time_budget=args.time_budget,
@@ -220,11 +238,11 @@ def measure_all(args) -> dict:
             for lang in ("src", "tgt"):
                 (data / f"dict.{lang}.txt").write_text((data / "dict.txt").read_text())
             start = measure.load_average()
-            out["cross"] = run_part({m: cross_case(m, data, args, device) for m in args.cross_methods},
-                                    args.cross_sources, args, device, args.decode_repeats)
+            out["cross"] = {"points": {m: interleaved(cross_case(m, data, args, device), args.cross_sources, device,
+                                                      args.decode_repeats, m) for m in args.cross_methods}}
             out["cross"].update(machine=out["machine"], load_start=start, load_end=measure.load_average(),
                                 config={k: getattr(args, k) for k in ("cross_sources", "cross_arch", "batch",
-                                                                      "decode_repeats", "min_repeats")})
+                                                                      "decode_repeats")})
     out["load_end"] = measure.load_average()
     keep = [part for part in PARTS if part not in args.parts]
     if keep and args.json and args.json.exists():  # --parts cross: the other parts stay as measured before
@@ -299,9 +317,10 @@ def render(res: dict, image: str) -> str:
         x = res["cross"]
         xc, src = x["config"], x["config"]["cross_sources"]
         parts.append(f"**{xc['cross_arch']} (LLN encoder, LAVO decoder) incremental decoding, B={xc['batch']}: ms per "
-                     f"token after a source of S tokens, by cross-attention** (median of {xc['min_repeats']}–"
-                     f"{xc['decode_repeats']} tokens; the encoder and the first step, which reads the source, are "
-                     f"not timed; load at the start {', '.join(f'{v:.2f}' for v in x['load_start'])})\n\n" +
+                     f"token after a source of S tokens, by cross-attention** (median of "
+                     f"{xc['decode_repeats']} tokens, the source lengths' steps alternating; the encoder and the first "
+                     f"step, which reads the source, are not timed; load at the start "
+                     f"{', '.join(f'{v:.2f}' for v in x['load_start'])})\n\n" +
                      report.table(x["points"], src, lambda r: f"{r['median_s'] * 1e3:.2f}"))
         parts.append("**Incremental state of all layers, self- and cross-attention (MiB)**\n\n" +
                      report.table(x["points"], src, lambda r: None if r.get("state_bytes") is None
