@@ -33,6 +33,7 @@ def all_ok(points):
     return {name: [r["status"] for r in rows if r["status"] != "ok"] for name, rows in points.items()}
 
 
+@pytest.mark.slow
 def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_path):
     res, plot, doc = run_script("benchmark_attention", tmp_path)
     expected = {"softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "kernelized",
@@ -59,6 +60,7 @@ def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_
     assert (ROOT / "docs" / "img" / "benchmark_attention.png").read_bytes() == committed
 
 
+@pytest.mark.slow
 def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     res, plot, doc = run_script("benchmark_model", tmp_path)
     assert set(res["train"]["points"]) == {"softmax", "lln", "lln_diag", "skyformer", "lavo"}
@@ -75,6 +77,7 @@ def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     assert "LAVO cross-attention decoding" in doc.read_text()
 
 
+@pytest.mark.slow
 def test_model_benchmark_remeasures_one_part_and_keeps_the_others(tmp_path):
     kept = {"config": {"train_sizes": [7], "batch": 1, "attention_dropout": 0.0, "min_repeats": 1, "train_repeats": 1,
                        "warmup": 1, "train_arch": "tiny"},

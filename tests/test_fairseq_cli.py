@@ -8,6 +8,8 @@ import torch
 
 from fairseq_data import USER_DIR, make_lm_data, run
 
+pytestmark = pytest.mark.slow  # end to end: fairseq's command lines on generated data
+
 TRAIN_COMMON = ["--user-dir", USER_DIR, "--cpu", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "6",
                 "--log-format", "json", "--log-interval", "1", "--no-progress-bar", "--seed", "1",
                 "--num-workers", "0", "--save-interval-updates", "3", "--no-epoch-checkpoints"]

@@ -37,9 +37,11 @@ def spread_parameters(model, gen) -> None:
         for name, p in model.named_parameters():
             if name.endswith(("pos_bias", "mix_r", "mix_p")):
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith(("ema_var_q", "ema_var_k")):
-                b.copy_(torch.rand(b.shape, generator=gen) * 2.5 + 0.3)
+        for name, b in model.named_buffers():  # disjoint ranges: alpha / beta = sigma_k / sigma_q >= 1.26
+            if name.endswith("ema_var_q"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.7 + 0.3)
+            elif name.endswith("ema_var_k"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 1.4 + 1.6)
 
 
 def padded_tokens(task, gen, batch=3, t=16):

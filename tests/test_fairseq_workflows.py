@@ -11,6 +11,8 @@ from fairseq_data import (USER_DIR, make_classification_data, make_lm_data, make
                           write_corpus)
 from test_fairseq_cli import TRAIN_COMMON, train_lm
 
+pytestmark = pytest.mark.slow  # end to end: fairseq's command lines on generated data
+
 TINY_ROBERTA = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
                 "--encoder-attention-heads", "2"]
 

@@ -141,8 +141,8 @@ def padded_decoder_module(method: str, opts_name: str, gen) -> torch.nn.Module:
     if hasattr(m, "pos_bias"):
         torch.nn.init.normal_(m.pos_bias)
     if hasattr(m, "matcher") and opts_name == "lln_ema":
-        m.matcher.ema_var_q.uniform_(0.3, 3.0)
-        m.matcher.ema_var_k.uniform_(0.3, 3.0)
+        m.matcher.ema_var_q.uniform_(0.3, 1.0)  # disjoint ranges: alpha / beta = sigma_k / sigma_q >= 1.26
+        m.matcher.ema_var_k.uniform_(1.6, 3.0)
     if getattr(m, "mix_r", None) is not None:
         torch.nn.init.uniform_(m.mix_r)
         torch.nn.init.uniform_(m.mix_p)
