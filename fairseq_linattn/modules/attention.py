@@ -30,6 +30,9 @@ class AttentionBase(nn.Module):
 
     method = "base"
     supports_causal = True
+    takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
+    uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
+    caches_source = False  # True for a cross-attention that keeps only a summary of its source
 
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: Optional[int] = None, vdim: Optional[int] = None,
                  dropout: float = 0.0, causal: bool = False, bias: bool = True, **_unused):
@@ -107,10 +110,6 @@ class AttentionBase(nn.Module):
                 weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)
         return self.out_proj(out), weights
 
-    takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
-    uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
-    caches_source = False  # True for a cross-attention that keeps only a summary of its source
-
     def _accepted_attn_mask(self, attn_mask: Optional[Tensor], t: int, s: int, decoding: bool) -> Optional[Tensor]:
         """The attn_mask ``attend`` must apply: None when there is none or it is the future mask a causal
         module applies anyway (fairseq's ``buffered_future_mask``); any other mask is refused, never dropped."""
@@ -118,15 +117,14 @@ class AttentionBase(nn.Module):
             return None
         if self.causal and not decoding and is_future_mask(attn_mask, t, s):
             return None
-        takers = [name for name, cls in ATTENTION_CLASSES.items() if cls.takes_attn_mask]
         if self.takes_attn_mask and not decoding:
             return attn_mask
-        what = "the standard causal (future) mask only" if self.causal else "no attn_mask"
+        takers = ", ".join(name for name, cls in ATTENTION_CLASSES.items() if cls.takes_attn_mask)
+        takes = "the standard causal (future) mask only (none while decoding)" if self.causal else "no attn_mask"
         raise ValueError(
-            f"{'causal ' if self.causal else ''}{self.method} attention takes {what}"
-            f"{' (and none while decoding)' if self.causal or decoding else ''}, got a {tuple(attn_mask.shape)} "
-            f"attn_mask that differs from it; an arbitrary attn_mask is taken by: {', '.join(takers)} "
-            f"(--encoder-attention-type / --decoder-attention-type)")
+            f"{'causal ' if self.causal else ''}{self.method} attention takes {takes}; got {'another' if self.causal else 'a'} "
+            f"{tuple(attn_mask.shape)} attn_mask{' while decoding' if decoding else ''}. An arbitrary attn_mask is "
+            f"taken by: {takers} (--encoder-attention-type / --decoder-attention-type)")
 
     def attend(self, q: Tensor, k: Optional[Tensor], v: Tensor, key_padding_mask: Optional[Tensor],
                attn_mask: Optional[Tensor] = None) -> Tensor:
