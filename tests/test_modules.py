@@ -265,3 +265,16 @@ def test_lavo_cross_attention_reads_its_source_once_while_decoding(gen):
     assert len(v_calls) == 1 and len(k_calls) == 0
     assert rel_err(torch.cat(outs[3:]), full[3:]) < 1e-5
     assert rel_err(torch.cat(outs[:3]), full[:3, [2, 1, 0]]) < 1e-5
+
+
+@pytest.mark.parametrize("method,kw", [(m, {}) for m in ("softmax", "lln", "lln_diag", "skyformer", "kernelized",
+                                                          "lavo")] + [("lavo", {"cross": True})])
+def test_every_trainable_parameter_gets_a_gradient(gen, method, kw):
+    """DDP's default (find_unused_parameters=False) fails on a trainable parameter that gets no gradient."""
+    opts = {**OPTS, "lln_diag_mix": "learnable_scale", "skyformer_landmarks": 4}
+    m = build_attention(method, E, H, causal=False, opts=opts, **kw)
+    x, src = torch.randn(7, 2, E, generator=gen), torch.randn(5, 2, E, generator=gen)
+    key = src if kw else x
+    m(x, key, key)[0].square().sum().backward()
+    unused = [name for name, p in m.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused

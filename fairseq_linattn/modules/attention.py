@@ -348,6 +348,8 @@ class LAVOAttention(AttentionBase):
             raise ValueError(f"--lavo-bases must be <= head dim {self.head_dim}, got {r}")
         self.cross = cross
         self.uses_keys, self.caches_source = not cross, cross  # cross-attention reads source values only (§3.4)
+        if cross:  # kept so that softmax checkpoints load, frozen: DDP fails on a parameter without gradient
+            self.k_proj.requires_grad_(False)
         self.bases = nn.Parameter(ops.lavo_init_bases(num_heads, r, self.head_dim),
                                   requires_grad=not opts.get("lavo_freeze_bases", False))
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
