@@ -50,23 +50,23 @@ def var_log_p_materialised(q, k, alpha, beta):
     return (total_sq / count - (total / count) ** 2).item()
 
 
-def test_softmax_log_p_variance_is_sigma_q2_sigma_k2(gen):
+def test_softmax_log_p_variance_is_sigma_q2_sigma_k2(mc_gen):
     """The target of the matching: softmax(q k^T / sqrt(D)) with entry stds sigma_q, sigma_k."""
     d, n = 64, 256
     for sigma_q, sigma_k in [(1.0, 1.0), (0.5, 1.0), (0.8, 0.6)]:
-        q = sigma_q * torch.randn(16, n, d, generator=gen, dtype=F64)
-        k = sigma_k * torch.randn(16, n, d, generator=gen, dtype=F64)
+        q = sigma_q * torch.randn(16, n, d, generator=mc_gen, dtype=F64)
+        k = sigma_k * torch.randn(16, n, d, generator=mc_gen, dtype=F64)
         log_p = torch.log_softmax(q @ k.transpose(1, 2) / math.sqrt(d), -1)
         assert log_p.var().item() == pytest.approx(sigma_q ** 2 * sigma_k ** 2, rel=0.05)
 
 
-def test_variance_log_p_agrees_with_materialised_lln(gen):
+def test_variance_log_p_agrees_with_materialised_lln(mc_gen):
     d, n, m, rows = 16, 128, 512, 16
-    seed = fresh_seed(gen)
+    seed = fresh_seed(mc_gen)
     for s in (0.7, 2.0):
         fast = lln_variance_log_p(s, d, n, num_matrices=m, num_queries=rows, seed=seed).item()
-        q = torch.randn(m, rows, d, generator=gen, dtype=F64)
-        k = torch.randn(m, n, d, generator=gen, dtype=F64)
+        q = torch.randn(m, rows, d, generator=mc_gen, dtype=F64)
+        k = torch.randn(m, n, d, generator=mc_gen, dtype=F64)
         assert fast == pytest.approx(var_log_p_materialised(q, k, s, s), rel=0.04)
 
 
@@ -77,25 +77,25 @@ def test_variance_log_p_grows_with_scale_and_shrinks_with_head_dim():
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_exact_matches_softmax_variance(gen, head_dim):
+def test_exact_matches_softmax_variance(mc_gen, head_dim):
     n = 512
     table = exact_moment_table(head_dim, n)
     sigmas = torch.tensor(SIGMAS, dtype=F64)
     alpha, beta = table.alpha_beta(sigmas, sigmas)
     assert torch.equal(alpha, beta)
-    measured = lln_variance_log_p(alpha * sigmas, head_dim, n, num_matrices=128, seed=fresh_seed(gen))
+    measured = lln_variance_log_p(alpha * sigmas, head_dim, n, num_matrices=128, seed=fresh_seed(mc_gen))
     rel = measured / sigmas ** 4 - 1
     print(f"D={head_dim} exact-mode relative errors at sigma={SIGMAS}: {[round(x, 4) for x in rel.tolist()]}")
     assert rel.abs().max().item() < 0.05
 
 
 @pytest.mark.parametrize("sigma_q, sigma_k", [(0.6, 1.4), (1.5, 0.8)])
-def test_exact_matches_softmax_variance_with_unequal_sigmas_on_materialised_p(gen, sigma_q, sigma_k):
+def test_exact_matches_softmax_variance_with_unequal_sigmas_on_materialised_p(mc_gen, sigma_q, sigma_k):
     d, n = 64, 512
     alpha, beta = exact_moment_table(d, n).alpha_beta(sigma_q, sigma_k)
     assert alpha * sigma_q == pytest.approx(beta * sigma_k, rel=1e-12)  # eq. 10
-    q = sigma_q * torch.randn(128, 16, d, generator=gen, dtype=F64)
-    k = sigma_k * torch.randn(128, n, d, generator=gen, dtype=F64)
+    q = sigma_q * torch.randn(128, 16, d, generator=mc_gen, dtype=F64)
+    k = sigma_k * torch.randn(128, n, d, generator=mc_gen, dtype=F64)
     measured = var_log_p_materialised(q, k, alpha, beta)
     assert measured == pytest.approx(sigma_q ** 2 * sigma_k ** 2, rel=0.05)
 
@@ -107,18 +107,18 @@ def test_exact_table_is_monotone_and_inverts_itself():
     torch.testing.assert_close(table.s2_for_variance(table.variance(s2)), s2, rtol=1e-9, atol=0)
 
 
-def test_fit_d32_reproduces_published_slope(gen):
-    a, b = fit_moment_constants(32, 512, (1.0, 4.0), seed=fresh_seed(gen))
+def test_fit_d32_reproduces_published_slope(mc_gen):
+    a, b = fit_moment_constants(32, 512, (1.0, 4.0), seed=fresh_seed(mc_gen))
     print(f"fit D=32 N=512 range [1, 4]: a={a:.4f} (published {PAPER_A:.4f}), b={b:.4f} (published {PAPER_B:.4f})")
     assert a == pytest.approx(PAPER_A, rel=0.10)
 
 
 @pytest.mark.parametrize("head_dim, variance_range", [(32, (1.0, 4.0)), (64, (2.0, 8.0))])
-def test_fit_matches_softmax_variance_at_sigma_1(gen, head_dim, variance_range):
+def test_fit_matches_softmax_variance_at_sigma_1(mc_gen, head_dim, variance_range):
     """A linear fit is local: its range must hold the operating point (s² ≈ 4-6 at sigma = 1)."""
-    a, b = fit_moment_constants(head_dim, 512, variance_range, seed=fresh_seed(gen))
+    a, b = fit_moment_constants(head_dim, 512, variance_range, seed=fresh_seed(mc_gen))
     alpha, _ = lln_alpha_beta(1.0, 1.0, a, b)
-    measured = lln_variance_log_p(alpha, head_dim, 512, num_matrices=128, seed=fresh_seed(gen)).item()
+    measured = lln_variance_log_p(alpha, head_dim, 512, num_matrices=128, seed=fresh_seed(mc_gen)).item()
     print(f"fit D={head_dim} range {variance_range}: var(log P_LLN) at sigma=1 is {measured:.3f}")
     assert measured == pytest.approx(1.0, rel=0.15)
 

@@ -179,18 +179,18 @@ def _low_rank(gen, n, d, rank=4, noise=0.1):
 
 
 @pytest.mark.parametrize("inputs", ["gaussian", "low_rank"])
-def test_skyformer_spectral_error_falls_as_landmarks_grow(gen, inputs):
+def test_skyformer_spectral_error_falls_as_landmarks_grow(mc_gen, inputs):
     # Skyformer Fig. 1; measured means (3 seeds, N=512, D=32): gaussian 0.87 / 0.58 / 0.22, low-rank 0.89 / 0.64 / 0.28
     n, d = 512, 32
     errors = {16: 0.0, 64: 0.0, 256: 0.0}
     for _ in range(3):
         if inputs == "gaussian":
-            q, k = (torch.randn(1, 2, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+            q, k = (torch.randn(1, 2, n, d, generator=mc_gen, dtype=torch.float64) for _ in range(2))
         else:
-            q, k = _low_rank(gen, n, d)
+            q, k = _low_rank(mc_gen, n, d)
         exact = kernelized_kernel_matrix(q, k)
         for landmarks in errors:
-            approx = skyformer_kernel_matrix(q, k, num_landmarks=landmarks, generator=gen)
+            approx = skyformer_kernel_matrix(q, k, num_landmarks=landmarks, generator=mc_gen)
             errors[landmarks] += spectral_error(approx, exact) / 3
     print(inputs, errors)
     assert errors[16] > errors[64] > errors[256]
