@@ -113,14 +113,17 @@ def paper_cell(value, digits: int) -> str:
     return value if isinstance(value, str) else f"{value:.{digits}f}"
 
 
-def glue_paper_note(attention: str) -> str:
-    """Which row of LLN Table 1 the paper column of ``attention`` comes from."""
-    table = paper_results.TABLES["lln_table1"]
+def paper_note(table_key: str, attention: str, what: str) -> str:
+    """Which row of a paper table (``paper_results.TABLES[table_key]``) the paper column of ``attention`` comes from."""
+    table = paper_results.TABLES[table_key]
     row = table.ours.get(attention)
     if row is None:
         return f"paper: {table.source} has no row for {attention} (—)."
-    return (f"paper: {table.source}, row \"{row}\" (GLUE dev accuracy, RoBERTa-base pretrained on "
-            f"WikiText-103; MNLI a single figure); — : no published figure. Settings: docs/recipes.md §3.")
+    return f"paper: {table.source}, row \"{row}\" ({what}); — : no published figure. Settings: docs/recipes.md §3."
+
+
+GLUE_NOTE = "GLUE dev accuracy, RoBERTa-base pretrained on WikiText-103; MNLI a single figure"
+PG19_NOTE = "token-level perplexity of a 12-layer GPT-2 trained at 8192 tokens, at 1x, 1.5x, 2x that context"
 
 
 def glue_summary(attention: str, run_dirs: List[Path]) -> str:
@@ -135,17 +138,7 @@ def glue_summary(attention: str, run_dirs: List[Path]) -> str:
     header = "| attention | " + " | ".join(f"{name} | {name} paper" for name in names) + " |"
     rule = "|---|" + "---|---|" * len(cells)
     row = " | ".join(f"{ours} | {paper_cell(paper_results.glue(task, attention), 1)}" for task, ours in cells.items())
-    return "\n".join([header, rule, f"| {attention} | {row} |", "", glue_paper_note(attention)])
-
-
-def pg19_paper_note(attention: str) -> str:
-    """Which row of LAVO Table 2 the paper column of ``attention`` comes from."""
-    table = paper_results.TABLES["lavo_table2_ppl"]
-    row = table.ours.get(attention)
-    if row is None:
-        return f"paper: {table.source} has no row for {attention} (—)."
-    return (f"paper: {table.source}, row \"{row}\" (token-level perplexity of a 12-layer GPT-2 trained at "
-            f"8192 tokens, at 1x, 1.5x, 2x that context); — : no published figure. Settings: docs/recipes.md §3.")
+    return "\n".join([header, rule, f"| {attention} | {row} |", "", paper_note("lln_table1", attention, GLUE_NOTE)])
 
 
 def pg19_summary(rows: List[dict], attention: str) -> str:
@@ -155,7 +148,7 @@ def pg19_summary(rows: List[dict], attention: str) -> str:
         paper = paper_cell(paper_results.pg19_ppl(attention, r["ratio"]), 2)
         lines.append(f"| {int(r['context'])} | {r['ratio']:g} | {_fmt(r['loss_bits'], 3)} | {_fmt(r['ppl'], 2)} "
                      f"| {_fmt(r.get('word_ppl'), 2)} | {paper} |")
-    return "\n".join(lines + ["", pg19_paper_note(attention)])
+    return "\n".join(lines + ["", paper_note("lavo_table2_ppl", attention, PG19_NOTE)])
 
 
 def checkpoint_attention(path: Path) -> Optional[str]:
