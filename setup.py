@@ -43,7 +43,7 @@ setup(
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={
         "console_scripts": [
-            "linattn-fit-moments=fairseq_linattn.ops.moment_matching:main",
+            "linattn-fit-moments=fairseq_linattn.fit_moments:main",
         ]
     },
 )

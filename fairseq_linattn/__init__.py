@@ -1,43 +1,74 @@
 """fairseq_linattn: linear-complexity attention for fairseq (``--user-dir fairseq_linattn``).
 
-Layers: ``ops`` (pure PyTorch) -> ``modules`` (fairseq attention modules) -> ``models`` (registered
-fairseq models). Importing the package registers the models when fairseq is installed.
+Layers (docs/design.md §9): ``ops`` (pure PyTorch) -> ``modules`` (fairseq attention modules) ->
+``models`` (registered fairseq models) -> ``plugin`` (the glue) and the commands. ``methods`` declares
+every attention method once.
+
+Importing the package (or ``fairseq_linattn.ops``) imports no fairseq and patches nothing. The plugin
+registers its models and applies its fairseq fixes (``plugin.register``) as soon as fairseq is
+imported: at once if it already is (``--user-dir``, ``from_pretrained(user_dir=...)``), else right after
+a later ``import fairseq``. fairseq imports a user-dir only once per process, so a process that
+imported ``fairseq_linattn`` before fairseq still finds the models registered.
 """
+import importlib.abc
+import importlib.util
 import logging
+import sys
 
 
-def _import_fairseq():
-    """Import fairseq, or None without it, leaving the root logger as the caller had it.
+def register() -> None:
+    """Register the plugin's models with fairseq and apply its fairseq fixes (idempotent; ``plugin.register``)."""
+    from . import plugin
 
-    Some of fairseq's modules call ``logging.basicConfig`` (level DEBUG in
-    ``wav2vec2_classification.py``) when they are imported: on an unconfigured root logger that sends
-    every library's DEBUG lines and fairseq's "install tensorboardX" notice to the console. A
-    placeholder handler makes those calls no-ops; a caller's own set-up (``fairseq-train`` makes one
-    before importing fairseq) is left alone.
+    plugin.register()
+
+
+def _half_imported() -> bool:
+    """True while one of the plugin's own modules is being imported (it then registers when it is done:
+    ``modules/__init__.py``)."""
+    return any(name.startswith(__name__ + ".") and getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for name, m in list(sys.modules.items()))
+
+
+class _RegisterAfterFairseqImport(importlib.abc.MetaPathFinder):
+    """Calls ``register`` once ``import fairseq`` has finished, with fairseq's import kept quiet.
+
+    Some of fairseq's modules call ``logging.basicConfig`` (level DEBUG) when imported: on an
+    unconfigured root logger a placeholder handler makes that a no-op; a caller's own set-up is kept.
     """
-    root = logging.getLogger()
-    placeholder = None if root.handlers else logging.NullHandler()
-    if placeholder is not None:
-        root.addHandler(placeholder)
-    try:
-        import fairseq
-        import fairseq.models  # noqa: F401  (the imports that configure logging)
-        import fairseq.tasks  # noqa: F401
-        return fairseq
-    except ImportError:  # the ops and analysis layers work without fairseq
-        return None
-    finally:
-        if placeholder is not None:
-            root.removeHandler(placeholder)
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fairseq":
+            return None
+        sys.meta_path.remove(self)  # find the real spec without finding ourselves again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_fairseq = spec.loader.exec_module
+
+        def exec_module(module):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            root = logging.getLogger()
+            placeholder = None if root.handlers else logging.NullHandler()
+            if placeholder is not None:
+                root.addHandler(placeholder)
+            try:
+                exec_fairseq(module)
+                if not _half_imported():
+                    register()
+            finally:
+                if placeholder is not None:
+                    root.removeHandler(placeholder)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
-fairseq = _import_fairseq()
-
-if fairseq is not None:
-    from . import models  # noqa: F401  (registers linattn_roberta, linattn_lm, linattn_transformer)
-    from . import metrics_hook
-    from .fairseq_compat import allow_fairseq_checkpoints, restore_numpy_compat_long
-
-    allow_fairseq_checkpoints()
-    restore_numpy_compat_long()
-    metrics_hook.install()
+if "fairseq" in sys.modules:
+    register()
+elif not any(isinstance(finder, _RegisterAfterFairseqImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterFairseqImport())

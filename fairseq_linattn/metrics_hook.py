@@ -15,7 +15,7 @@ import torch
 from fairseq import metrics
 from fairseq.tasks import FairseqTask
 
-from .ops.moment_matching import statistics_left_out
+from .modules.moment_matcher import statistics_left_out
 
 PREFIX = "linattn_"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fairseq_linattn import cpu_ddp
-from fairseq_linattn.ops.moment_matching import MomentMatcher
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,9 +170,8 @@ def test_interrupting_the_launcher_stops_every_rank(tmp_path, sig):
 # fairseq dummy batch)
 GLOO_RANK = """
 import contextlib, json, sys
-sys.modules["fairseq"] = None  # the ops need no fairseq (and start faster without it)
 import torch, torch.distributed as dist
-from fairseq_linattn.ops.moment_matching import MomentMatcher, statistics_left_out
+from fairseq_linattn.modules.moment_matcher import MomentMatcher, statistics_left_out
 
 rank, port, data = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
@@ -238,7 +237,7 @@ def test_moment_matching_statistics_are_all_reduced_across_gloo_ranks(tmp_path, 
 
 
 def test_a_forward_left_out_of_the_statistics_folds_nothing_into_the_ema(gen):
-    from fairseq_linattn.ops.moment_matching import statistics_left_out
+    from fairseq_linattn.modules.moment_matcher import statistics_left_out
 
     q, k, mask = shard(gen, 3.0)
     ema = MomentMatcher(head_dim=4, num_heads=2, per_head=True, stats="ema", ema_momentum=0.5).train()

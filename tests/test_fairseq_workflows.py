@@ -146,7 +146,7 @@ RECORDING_TRAIN = """
 import json, os, sys
 from fairseq_cli.train import cli_main  # first, as under fairseq-train: its logging set-up
 import torch.distributed as dist
-from fairseq_linattn.ops.moment_matching import MomentMatcher
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
 
 match = MomentMatcher._match
 

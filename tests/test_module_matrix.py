@@ -15,7 +15,7 @@ E, H, T, B = 16, 2, 23, 3
 
 def make(method, causal, gen, **opts):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    module = build_attention(method, E, H, causal=causal, opts={"lln_chunk_size": 8, "lln_diag_block_size": 5,
+    module = build_attention(method, E, H, causal=causal, config={"lln_chunk_size": 8, "lln_diag_block_size": 5,
                                                                   "lavo_window": 4, **opts})
     for p in module.parameters():  # move learnable extras (bias, mix weights) off their initial values
         if p.dim() < 2 and p.requires_grad:

@@ -11,7 +11,7 @@ HUGE = 1e4
 def make(method, gen, per_head):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     opts = {"lln_stats": "batch", "lln_stats_per_head": per_head, "lln_diag_block_size": 4}
-    return build_attention(method, E, H, causal=False, opts=opts).double()
+    return build_attention(method, E, H, causal=False, config=opts).double()
 
 
 def padded(x, left, right, fill):

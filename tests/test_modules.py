@@ -48,7 +48,7 @@ OPTS = {"lln_chunk_size": 4, "lln_diag_block_size": 3, "lavo_window": 3, "lln_di
 @pytest.mark.parametrize("method", ["softmax", "lln", "lln_diag", "lavo"])
 def test_incremental_decoding_equals_full_forward(gen, method):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fresh weights too
-    m = build_attention(method, E, H, causal=True, opts=OPTS).eval()
+    m = build_attention(method, E, H, causal=True, config=OPTS).eval()
     x = torch.randn(11, 2, E, generator=gen)
     full, _ = m(x, x, x, attn_mask=torch.triu(torch.full((11, 11), float("-inf")), 1))
     state, outs = {}, []
@@ -59,7 +59,7 @@ def test_incremental_decoding_equals_full_forward(gen, method):
 
 @pytest.mark.parametrize("method", ["lln", "lln_diag", "lavo", "softmax"])
 def test_reorder_incremental_state_follows_beams(gen, method):
-    m = build_attention(method, E, H, causal=True, opts=OPTS).eval()
+    m = build_attention(method, E, H, causal=True, config=OPTS).eval()
     x = torch.randn(5, 3, E, generator=gen)
     state_a, state_b = {}, {}
     order = torch.tensor([2, 0, 1])
@@ -81,7 +81,7 @@ def test_non_causal_methods_refuse_to_be_causal(method):
 @pytest.mark.parametrize("method", ["softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_modules_run_in_half_precision(gen, method, dtype):
-    m = build_attention(method, E, H, causal=False, opts={"skyformer_landmarks": 8}).to(dtype)
+    m = build_attention(method, E, H, causal=False, config={"skyformer_landmarks": 8}).to(dtype)
     x = torch.randn(20, 2, E, generator=gen).to(dtype)
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[0, -5:] = True
@@ -137,7 +137,7 @@ def decode_masks(t: int) -> torch.Tensor:
 
 def padded_decoder_module(method: str, opts_name: str, gen) -> torch.nn.Module:
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fresh weights too
-    m = build_attention(method, E, H, causal=True, opts=PAD_OPTS[opts_name]).eval()
+    m = build_attention(method, E, H, causal=True, config=PAD_OPTS[opts_name]).eval()
     if hasattr(m, "pos_bias"):
         torch.nn.init.normal_(m.pos_bias)
     if hasattr(m, "matcher") and opts_name == "lln_ema":
@@ -197,7 +197,7 @@ def test_beam_reordering_after_a_padded_prefix_equals_full_forward(gen, method):
 # -- attn_mask: the future mask is what a causal module does anyway; anything else is refused or applied --
 @pytest.mark.parametrize("method", ["lln", "lln_diag", "lavo", "softmax"])
 def test_causal_module_accepts_the_future_mask_float_or_bool(gen, method):
-    m = build_attention(method, E, H, causal=True, opts=OPTS).eval()
+    m = build_attention(method, E, H, causal=True, config=OPTS).eval()
     x = torch.randn(9, 2, E, generator=gen)
     plain, _ = m(x, x, x)
     for future in (torch.triu(torch.full((9, 9), float("-inf")), 1), torch.ones(9, 9, dtype=torch.bool).triu(1)):
@@ -207,7 +207,7 @@ def test_causal_module_accepts_the_future_mask_float_or_bool(gen, method):
 @pytest.mark.parametrize("method", ["lln", "lln_diag", "lavo"])
 @pytest.mark.parametrize("kind", ["band", "shifted", "all_open", "finite"])
 def test_causal_linear_module_refuses_any_other_attn_mask(gen, method, kind):
-    m = build_attention(method, E, H, causal=True, opts=OPTS)
+    m = build_attention(method, E, H, causal=True, config=OPTS)
     x = torch.randn(6, 2, E, generator=gen)
     future = torch.triu(torch.full((6, 6), float("-inf")), 1)
     mask = {"band": future.masked_fill(torch.ones(6, 6, dtype=torch.bool).tril(-3), float("-inf")),
@@ -233,7 +233,7 @@ def test_softmax_module_applies_an_arbitrary_attn_mask_like_fairseq(gen):
 
 
 def test_causal_module_refuses_an_attn_mask_while_decoding(gen):
-    m = build_attention("lavo", E, H, causal=True, opts=OPTS)
+    m = build_attention("lavo", E, H, causal=True, config=OPTS)
     x = torch.randn(1, 2, E, generator=gen)
     with pytest.raises(ValueError, match="none while decoding"):
         m(x, x, x, attn_mask=torch.zeros(1, 1), incremental_state={})
@@ -247,7 +247,7 @@ def count_calls(module):
 
 
 def test_lavo_cross_attention_reads_its_source_once_while_decoding(gen):
-    m = build_attention("lavo", E, H, causal=False, cross=True, opts=OPTS).eval()
+    m = build_attention("lavo", E, H, causal=False, cross=True, config=OPTS).eval()
     src = torch.randn(10, 3, E, generator=gen)
     src_mask = torch.zeros(3, 10, dtype=torch.bool)
     src_mask[1, :4] = True  # fairseq left-pads sources
@@ -272,7 +272,7 @@ def test_lavo_cross_attention_reads_its_source_once_while_decoding(gen):
 def test_every_trainable_parameter_gets_a_gradient(gen, method, kw):
     """DDP's default (find_unused_parameters=False) fails on a trainable parameter that gets no gradient."""
     opts = {**OPTS, "lln_diag_mix": "learnable_scale", "skyformer_landmarks": 4}
-    m = build_attention(method, E, H, causal=False, opts=opts, **kw)
+    m = build_attention(method, E, H, causal=False, config=opts, **kw)
     x, src = torch.randn(7, 2, E, generator=gen), torch.randn(5, 2, E, generator=gen)
     key = src if kw else x
     m(x, key, key)[0].square().sum().backward()

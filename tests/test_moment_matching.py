@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fairseq_linattn import ops
-from fairseq_linattn.ops.moment_matching import (PAPER_A, PAPER_B, MomentMatcher, exact_moment_table,
-                                                 fit_moment_constants, lln_alpha_beta, lln_variance_log_p,
-                                                 load_constants, main)
+from fairseq_linattn.fit_moments import main
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from fairseq_linattn.ops.moment_matching import (PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants,
+                                                 lln_alpha_beta, lln_variance_log_p, load_constants)
 from conftest import padding_mask
 
 F64 = torch.float64
@@ -269,7 +270,7 @@ def test_off_mode_returns_the_fixed_values(gen):
 
 def test_fit_command_writes_constants_the_matcher_loads(tmp_path, gen):
     out = tmp_path / "constants.json"
-    main(["fit", "--head-dim", "16", "--seq-len", "64", "--range", "1", "4", "--num-points", "4", "--out", str(out)])
+    main(["--head-dim", "16", "--seq-len", "64", "--range", "1", "4", "--num-points", "4", "--out", str(out)])
     data = json.loads(out.read_text())
     assert set(data) == {"a", "b", "head_dim", "seq_len", "range"} and data["range"] == [1.0, 4.0]
     assert data["a"] > 0 and load_constants(str(out))["a"] == data["a"]

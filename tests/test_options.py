@@ -1,24 +1,26 @@
-"""Plugin options: parse-time validation messages, and documentation of every option."""
+"""Plugin options: the registry they derive from, parse-time validation messages, their documentation."""
+import subprocess
+import sys
 from argparse import Namespace
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from fairseq_linattn.modules.options import AttentionOptions, layer_types, validate_attention_options
+from fairseq_linattn.methods import METHODS, OPTIONS, AttentionConfig, layer_types, methods_for, options_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def options(**kw):
-    args = Namespace(**{f.name: f.default for f in fields(AttentionOptions) if not f.name.startswith("_")})
-    for key, value in kw.items():
-        setattr(args, key, value)
-    return args
+    return Namespace(**{**{name: o.default for name, o in OPTIONS.items()}, **kw})
 
 
 @pytest.mark.parametrize("kw,message", [
     (dict(encoder_attention_type="linformer"), "--encoder-attention-type: invalid attention type 'linformer'"),
     (dict(decoder_attention_type="kernelized"), "non-causal"),
     (dict(encoder_attention_type="lln,lln"), "got 2 types"),
+    (dict(cross_attention_type="lln"), "--cross-attention-type: allowed: softmax, lavo"),
     (dict(lln_chunk_size=0), "--lln-chunk-size must be an integer >= 1"),
     (dict(lln_diag_block_size=-1), "--lln-diag-block-size"),
     (dict(skyformer_landmarks=0), "--skyformer-landmarks"),
@@ -31,25 +33,84 @@ def options(**kw):
     (dict(lln_constants_file="c.json"), "read only with --lln-moment-matching fit"),
     (dict(lln_ema_momentum=1.0), "--lln-ema-momentum"),
     (dict(lln_stats="batch", decoder_attention_type="softmax,lln,lln"), "--lln-stats ema"),
+    (dict(lln_stats="batch", decoder_attention_type="lln_diag"), "--lln-stats ema"),
+    (dict(lln_diag_mix="sum"), "--lln-diag-mix: allowed: average, learnable_scale, learnable_ratio"),
+    (dict(attention_stats_interval=-1), "--attention-stats-interval must be an integer >= 0"),
 ])
 def test_bad_options_are_rejected_with_the_option_named(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate_attention_options(options(**kw), encoder_layers=3, decoder_layers=3)
+        AttentionConfig.from_args(options(**kw)).validate(encoder_layers=3, decoder_layers=3)
 
 
-def test_fixed_alpha_beta_turn_moment_matching_off():
-    args = options(lln_alpha=2.0, lln_beta=2.0)
-    validate_attention_options(args, decoder_layers=2)
-    assert args.lln_moment_matching == "off"
+def test_validation_reads_the_arguments_without_changing_them():
+    args = options(lln_alpha=2.0, lln_beta=3.0, lln_chunk_size=None)
+    before = dict(vars(args))
+    config = AttentionConfig.from_args(args)
+    config.validate(decoder_layers=2)
+    assert vars(args) == before
+    assert config.moment_matching == "off" and config.lln_moment_matching == "paper"  # fixed alpha, beta imply off
+    assert config.lln_chunk_size == 64  # None takes the default
+    with pytest.raises(dataclasses_frozen_error()):
+        config.lln_chunk_size = 3
+
+
+def dataclasses_frozen_error():
+    from dataclasses import FrozenInstanceError
+    return FrozenInstanceError
 
 
 def test_layer_types_expands_one_type_and_keeps_a_list():
-    assert layer_types("lln", 3, "encoder_attention_type") == ["lln"] * 3
-    assert layer_types("softmax, lavo", 2, "decoder_attention_type") == ["softmax", "lavo"]
+    assert layer_types("lln", 3, "encoder") == ["lln"] * 3
+    assert layer_types("softmax, lavo", 2, "decoder") == ["softmax", "lavo"]
 
 
-def test_readme_documents_every_option():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [f.name for f in fields(AttentionOptions)
-               if not f.name.startswith("_") and f"`--{f.name.replace('_', '-')}`" not in readme]
-    assert not missing, f"README lacks {missing}"
+def test_every_method_names_an_existing_module_class_with_its_roles():
+    from fairseq_linattn.modules import attention
+
+    assert set(attention.ATTENTION_CLASSES) == set(METHODS)
+    for name, method in METHODS.items():
+        cls = getattr(attention, method.module_class)
+        assert cls.method == name
+        for role in ("encoder", "decoder"):
+            if role in method.roles:
+                attention.build_attention(name, 8, 2, causal=role == "decoder")
+            else:
+                with pytest.raises(ValueError, match=f"{role} attention type must be one of"):
+                    attention.build_attention(name, 8, 2, causal=role == "decoder")
+    assert methods_for("decoder") == ["softmax", "lln", "lln_diag", "lavo"]
+
+
+def test_fairseq_dataclass_has_every_option_with_its_default_and_choices():
+    from fairseq_linattn.modules.options import AttentionOptions
+
+    ours = {f.name: f for f in fields(AttentionOptions) if not f.name.startswith("_")}
+    assert set(ours) == set(OPTIONS)
+    for name, o in OPTIONS.items():
+        assert ours[name].default == o.default, name
+        assert ours[name].metadata["help"] == o.help
+        if o.choices:
+            assert {str(c) for c in ours[name].type} == set(o.choices), name
+
+
+def test_build_attention_validates_a_mapping_of_options():
+    from fairseq_linattn.modules.attention import build_attention
+
+    with pytest.raises(ValueError, match="--lavo-window must be an integer >= 1"):
+        build_attention("lavo", 8, 2, causal=True, config={"lavo_window": 0})
+    module = build_attention("lavo", 8, 2, causal=True, config={"lavo_window": 5})
+    assert module.window == 5 and module.config.lln_chunk_size == 64
+
+
+def test_readme_options_table_is_the_registry_s():
+    readme = (ROOT / "README.md").read_text()
+    assert options_table() in readme, "README's options table differs: paste `python -m fairseq_linattn.methods " \
+                                      "options-table`"
+
+
+def test_methods_cli_checks_a_type_for_a_role():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fairseq_linattn.methods", *a], capture_output=True,
+                                    text=True, cwd=ROOT)
+    assert run("check", "--role", "decoder", "softmax,lavo").returncode == 0
+    bad = run("check", "--role", "decoder", "softmax,skyformer")
+    assert bad.returncode == 2 and "--decoder-attention-type" in bad.stderr and "allowed: softmax, lln" in bad.stderr
+    assert run("list", "--role", "cross").stdout.split() == methods_for("cross")

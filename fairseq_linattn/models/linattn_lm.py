@@ -5,9 +5,10 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
                                            base_lm_architecture, transformer_lm_gpt, transformer_lm_gpt2_small)
 
-from ..analysis import install_attention_stats
+from ..methods import METHODS, layer_types
 from ..modules.layers import LinAttnTransformerDecoder
-from ..modules.options import AttentionOptions, validate_attention_options
+from ..modules.options import AttentionOptions, check_attention_options
+from .hooks import after_build
 
 
 @dataclass
@@ -15,8 +16,9 @@ class LinAttnLMConfig(TransformerLanguageModelConfig, AttentionOptions):
     pass
 
 
-def _all_lavo(args) -> bool:
-    return all(t.strip() == "lavo" for t in str(args.decoder_attention_type).split(","))
+def _relative_positions_only(config, layers: int) -> bool:
+    """Every layer's attention brings its own (relative) positions, e.g. LAVO's bias (LAVO §4.1)."""
+    return all(METHODS[t].relative_positions for t in layer_types(config.decoder_attention_type, layers, "decoder"))
 
 
 @register_model("linattn_lm", dataclass=LinAttnLMConfig)
@@ -27,8 +29,8 @@ class LinAttnLanguageModel(TransformerLanguageModel):
 
         (``--arch linattn_lm`` is the dataclass's own no-op architecture, so options are also checked here.)
         """
-        _validate(args)
-        if _all_lavo(args) and not getattr(args, "lavo_token_positions", False):
+        config = _validate(args)
+        if _relative_positions_only(config, args.decoder_layers) and not config.lavo_token_positions:
             args.no_token_positional_embeddings = True  # LAVO §4.1: relative bias only
         layers, args.decoder_layers = args.decoder_layers, 0  # the stock decoder only lends its embeddings
         try:
@@ -38,12 +40,12 @@ class LinAttnLanguageModel(TransformerLanguageModel):
         decoder = LinAttnTransformerDecoder(args, task.target_dictionary, stock.decoder.embed_tokens,
                                             no_encoder_attn=True)
         model = cls(decoder)
-        install_attention_stats(model, args.attention_stats_interval)
+        after_build(model, config)
         return model
 
 
 def _validate(args):
-    validate_attention_options(args, decoder_layers=args.decoder_layers)
+    return check_attention_options(args, decoder_layers=args.decoder_layers)
 
 
 @register_model_architecture("linattn_lm", "linattn_lm_gpt")

@@ -5,9 +5,9 @@ from fairseq.models.roberta.model import (RobertaEncoder, RobertaModel, base_arc
                                           roberta_base_architecture, roberta_large_architecture)
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from ..analysis import install_attention_stats
 from ..modules.layers import LinAttnTransformerEncoder
-from ..modules.options import AttentionOptions, validate_attention_options
+from ..modules.options import AttentionOptions, check_attention_options
+from .hooks import after_build
 
 
 class LinAttnRobertaEncoder(RobertaEncoder):
@@ -28,16 +28,16 @@ class LinAttnRobertaModel(RobertaModel):
     def build_model(cls, args, task):
         """As RobertaModel.build_model, with the plugin's encoder."""
         base_architecture(args)
-        _validate(args)
+        config = _validate(args)
         if not hasattr(args, "max_positions"):
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
         model = cls(args, LinAttnRobertaEncoder(args, task.source_dictionary))
-        install_attention_stats(model, args.attention_stats_interval)
+        after_build(model, config)
         return model
 
 
 def _validate(args):
-    validate_attention_options(args, encoder_layers=args.encoder_layers)
+    return check_attention_options(args, encoder_layers=args.encoder_layers)
 
 
 @register_model_architecture("linattn_roberta", "linattn_roberta")

@@ -5,9 +5,10 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer.transformer_legacy import base_architecture, tiny_architecture
 
-from ..analysis import install_attention_stats
+from ..methods import AttentionConfig
 from ..modules.layers import LinAttnTransformerDecoder, LinAttnTransformerEncoder
-from ..modules.options import AttentionOptions, validate_attention_options
+from ..modules.options import AttentionOptions, check_attention_options
+from .hooks import after_build
 
 
 @register_model("linattn_transformer")
@@ -20,7 +21,7 @@ class LinAttnTransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         model = super().build_model(args, task)
-        install_attention_stats(model, getattr(args, "attention_stats_interval", 0))
+        after_build(model, AttentionConfig.from_args(args))
         return model
 
     @classmethod
@@ -34,7 +35,7 @@ class LinAttnTransformerModel(TransformerModel):
 
 
 def _validate(args):
-    validate_attention_options(args, encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers)
+    return check_attention_options(args, encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers)
 
 
 @register_model_architecture("linattn_transformer", "linattn_transformer")

@@ -7,7 +7,7 @@ construction (decoder self-attention), never inferred from a mask.
 """
 import logging
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,10 @@ from torch import Tensor, nn
 from fairseq.incremental_decoding_utils import with_incremental_state
 
 from .. import ops
+from ..methods import METHODS, AttentionConfig, methods_for
 from ..ops.lln import lln_decode_init, lln_decode_step
 from ..ops.lln_diag import mix_lln_diag
-from ..ops.moment_matching import MomentMatcher
+from .moment_matcher import MomentMatcher
 
 State = Dict[str, Optional[Tensor]]
 logger = logging.getLogger(__name__)
@@ -28,23 +29,24 @@ logger = logging.getLogger(__name__)
 class AttentionBase(nn.Module):
     """Projections, layout and incremental-state plumbing shared by every method."""
 
-    method = "base"
-    supports_causal = True
+    method = "base"  # its name in fairseq_linattn.methods.METHODS
     takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
     uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
     caches_source = False  # True for a cross-attention that keeps only a summary of its source
 
-    def __init__(self, embed_dim: int, num_heads: int, *, kdim: Optional[int] = None, vdim: Optional[int] = None,
-                 dropout: float = 0.0, causal: bool = False, bias: bool = True, **_unused):
+    def __init__(self, embed_dim: int, num_heads: int, *, config: Optional[AttentionConfig] = None,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None, dropout: float = 0.0, causal: bool = False,
+                 cross: bool = False, bias: bool = True):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if causal and not self.supports_causal:
+        if causal and "decoder" not in METHODS[self.method].roles:
             raise ValueError(f"{self.method} is a non-causal method and cannot be causal (decoder) "
-                             f"self-attention; causal methods: {', '.join(ops_causal_methods())}")
+                             f"self-attention; causal methods: {', '.join(methods_for('decoder'))}")
+        self.config = AttentionConfig() if config is None else config
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.causal = causal
+        self.causal, self.cross = causal, cross
         self.dropout = dropout
         kdim, vdim = kdim or embed_dim, vdim or embed_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -197,10 +199,6 @@ def is_future_mask(attn_mask: Tensor, t: int, s: int) -> bool:
     return bool(torch.equal(torch.isneginf(attn_mask), future) and (attn_mask.masked_fill(future, 0) == 0).all())
 
 
-def ops_causal_methods():
-    return [name for name, cls in ATTENTION_CLASSES.items() if cls.supports_causal]
-
-
 class SoftmaxAttention(AttentionBase):
     """Exact scaled-dot-product attention; equals fairseq's MultiheadAttention with the same weights."""
 
@@ -233,18 +231,15 @@ class LLNAttention(AttentionBase):
 
     method = "lln"
 
-    def __init__(self, embed_dim, num_heads, *, opts=None, causal=False, **kw):
-        super().__init__(embed_dim, num_heads, causal=causal, **kw)
-        opts = opts or {}
-        stats = opts.get("lln_stats", "auto")
-        self.chunk_size = opts.get("lln_chunk_size", 64)
+    def __init__(self, embed_dim, num_heads, **kw):
+        super().__init__(embed_dim, num_heads, **kw)
+        c = self.config
+        self.chunk_size = c.lln_chunk_size
         self.matcher = MomentMatcher(
-            mode=opts.get("lln_moment_matching", "paper"), head_dim=self.head_dim, num_heads=num_heads,
-            per_head=opts.get("lln_stats_per_head", False),
-            stats=("ema" if causal else "batch") if stats == "auto" else stats,
-            ema_momentum=opts.get("lln_ema_momentum", 0.99), max_scale=opts.get("lln_max_scale", 8.0),
-            fixed_alpha=opts.get("lln_alpha"), fixed_beta=opts.get("lln_beta"),
-            constants_file=opts.get("lln_constants_file"))
+            mode=c.moment_matching, head_dim=self.head_dim, num_heads=num_heads, per_head=c.lln_stats_per_head,
+            stats=("ema" if self.causal else "batch") if c.lln_stats == "auto" else c.lln_stats,
+            ema_momentum=c.lln_ema_momentum, max_scale=c.lln_max_scale, fixed_alpha=c.lln_alpha,
+            fixed_beta=c.lln_beta, constants_file=c.lln_constants_file)
 
     def lln(self, q, k, v, key_padding_mask):
         alpha, beta = self.matcher(q, k, key_padding_mask)
@@ -274,11 +269,9 @@ class LLNDiagAttention(LLNAttention):
 
     method = "lln_diag"
 
-    def __init__(self, embed_dim, num_heads, *, opts=None, **kw):
-        super().__init__(embed_dim, num_heads, opts=opts, **kw)
-        opts = opts or {}
-        self.block_size = opts.get("lln_diag_block_size", 64)
-        self.mix = opts.get("lln_diag_mix", "average")
+    def __init__(self, embed_dim, num_heads, **kw):
+        super().__init__(embed_dim, num_heads, **kw)
+        self.block_size, self.mix = self.config.lln_diag_block_size, self.config.lln_diag_mix
         shape = (num_heads, self.head_dim)
         self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
         self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
@@ -309,7 +302,6 @@ class KernelizedAttention(AttentionBase):
     """Exact Gaussian-kernel attention (Skyformer §4.1); non-causal, quadratic."""
 
     method = "kernelized"
-    supports_causal = False
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
@@ -319,14 +311,12 @@ class SkyformerAttention(AttentionBase):
     """Skyformer (Nyström-approximated Gaussian-kernel attention, §4.2); non-causal."""
 
     method = "skyformer"
-    supports_causal = False
 
-    def __init__(self, embed_dim, num_heads, *, opts=None, **kw):
+    def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
-        opts = opts or {}
-        self.num_landmarks = opts.get("skyformer_landmarks", 128)
-        self.landmark_mode = opts.get("skyformer_landmark_mode", "stratified")
-        self.exact_inverse = opts.get("skyformer_exact_inverse", False)
+        c = self.config
+        self.num_landmarks, self.landmark_mode = c.skyformer_landmarks, c.skyformer_landmark_mode
+        self.exact_inverse = c.skyformer_exact_inverse
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
@@ -339,19 +329,17 @@ class LAVOAttention(AttentionBase):
 
     method = "lavo"
 
-    def __init__(self, embed_dim, num_heads, *, opts=None, cross: bool = False, **kw):
+    def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
-        opts = opts or {}
-        self.window = opts.get("lavo_window", 64)
-        r = opts.get("lavo_bases") or self.head_dim
+        self.window, cross = self.config.lavo_window, self.cross
+        r = self.config.lavo_bases or self.head_dim
         if r > self.head_dim:
             raise ValueError(f"--lavo-bases must be <= head dim {self.head_dim}, got {r}")
-        self.cross = cross
         self.uses_keys, self.caches_source = not cross, cross  # cross-attention reads source values only (§3.4)
         if cross:  # kept so that softmax checkpoints load, frozen: DDP fails on a parameter without gradient
             self.k_proj.requires_grad_(False)
         self.bases = nn.Parameter(ops.lavo_init_bases(num_heads, r, self.head_dim),
-                                  requires_grad=not opts.get("lavo_freeze_bases", False))
+                                  requires_grad=not self.config.lavo_freeze_bases)
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
@@ -376,15 +364,22 @@ class LAVOAttention(AttentionBase):
                                     key_padding_mask=key_padding_mask)
 
 
-ATTENTION_CLASSES = {cls.method: cls for cls in (SoftmaxAttention, LLNAttention, LLNDiagAttention,
-                                                 SkyformerAttention, KernelizedAttention, LAVOAttention)}
+ATTENTION_CLASSES = {name: globals()[method.module_class] for name, method in METHODS.items()}
 
 
 def build_attention(method: str, embed_dim: int, num_heads: int, *, causal: bool, dropout: float = 0.0,
-                    opts: Optional[dict] = None, **kw) -> AttentionBase:
-    """The module for ``method`` (one of ATTENTION_CLASSES) with plugin options ``opts``."""
-    if method not in ATTENTION_CLASSES:
-        raise ValueError(f"attention type must be one of {', '.join(ATTENTION_CLASSES)}, got {method!r}")
-    cls = ATTENTION_CLASSES[method]
-    extra = {} if cls is SoftmaxAttention or cls is KernelizedAttention else {"opts": opts}
-    return cls(embed_dim, num_heads, causal=causal, dropout=dropout, **extra, **kw)
+                    config: Union[None, AttentionConfig, Mapping] = None, cross: bool = False, **kw) -> AttentionBase:
+    """The module for ``method`` as self-attention (``causal`` or not) or ``cross``-attention.
+
+    ``config``: the plugin's options (an ``AttentionConfig``, or a mapping of option names to values for
+    the others' defaults, validated here); ``kw``: kdim, vdim, bias.
+    """
+    role = "cross" if cross else "decoder" if causal else "encoder"
+    if method not in METHODS or role not in METHODS[method].roles:
+        why = " (a non-causal method)" if role == "decoder" and method in METHODS else ""
+        raise ValueError(f"{role} attention type must be one of {', '.join(methods_for(role))}, got {method!r}{why}")
+    if not isinstance(config, AttentionConfig):
+        config = AttentionConfig(**(config or {}))
+        config.validate()
+    return ATTENTION_CLASSES[method](embed_dim, num_heads, causal=causal, cross=cross, dropout=dropout, config=config,
+                                     **kw)

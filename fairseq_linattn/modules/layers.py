@@ -10,13 +10,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder, Tr
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
+from ..methods import AttentionConfig, layer_types
 from .attention import build_attention
-from .options import CAUSAL_METHODS, OPTION_NAMES, layer_types
-
-
-def attention_opts(args) -> dict:
-    """The plugin options of a Namespace / DictConfig / TransformerConfig as a plain dict."""
-    return {name: getattr(args, name, None) for name in OPTION_NAMES if getattr(args, name, None) is not None}
 
 
 def _wrap(layer, cfg):
@@ -28,32 +23,33 @@ def _wrap(layer, cfg):
 
 
 class LinAttnEncoderLayer(TransformerEncoderLayerBase):
-    def __init__(self, cfg, method: str, opts: dict, return_fc: bool = False):
-        self.attention_type, self.attention_opts = method, opts  # read by build_self_attention in super().__init__
+    def __init__(self, cfg, method: str, config: AttentionConfig, return_fc: bool = False):
+        self.attention_type, self.attention_config = method, config  # read by build_self_attention in super().__init__
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
         return build_attention(self.attention_type, embed_dim, cfg.encoder.attention_heads, causal=False,
-                               dropout=cfg.attention_dropout, opts=self.attention_opts)
+                               dropout=cfg.attention_dropout, config=self.attention_config)
 
 
 class LinAttnDecoderLayer(TransformerDecoderLayerBase):
-    def __init__(self, cfg, method: str, opts: dict, no_encoder_attn: bool = False):
-        self.attention_type, self.attention_opts = method, opts
+    def __init__(self, cfg, method: str, config: AttentionConfig, no_encoder_attn: bool = False):
+        self.attention_type, self.attention_config = method, config
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
             raise ValueError("linattn decoders support neither --cross-self-attention nor bias_kv/zero_attn")
         return build_attention(self.attention_type, embed_dim, cfg.decoder.attention_heads, causal=True,
-                               dropout=cfg.attention_dropout, opts=self.attention_opts)
+                               dropout=cfg.attention_dropout, config=self.attention_config)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        if self.attention_opts.get("cross_attention_type", "softmax") == "softmax":
+        method = self.attention_config.cross_attention_type
+        if method == "softmax":  # fairseq's own MultiheadAttention, as in a stock transformer
             return super().build_encoder_attention(embed_dim, cfg)
-        return build_attention("lavo", embed_dim, cfg.decoder.attention_heads, causal=False, cross=True,
+        return build_attention(method, embed_dim, cfg.decoder.attention_heads, causal=False, cross=True,
                                kdim=cfg.encoder.embed_dim, vdim=cfg.encoder.embed_dim,
-                               dropout=cfg.attention_dropout, opts=self.attention_opts)
+                               dropout=cfg.attention_dropout, config=self.attention_config)
 
 
 class LinAttnTransformerEncoder(TransformerEncoder):
@@ -61,15 +57,15 @@ class LinAttnTransformerEncoder(TransformerEncoder):
 
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
         num_layers = TransformerConfig.from_namespace(args).encoder.layers
-        self.layer_attention_types = layer_types(getattr(args, "encoder_attention_type", "softmax"), num_layers,
-                                                 "encoder_attention_type")
+        self.attention_config = AttentionConfig.from_args(args)
+        self.layer_attention_types = layer_types(self.attention_config.encoder_attention_type, num_layers, "encoder")
         self._next_layer = itertools.count()
         super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
 
     def build_encoder_layer(self, args):
         cfg = TransformerConfig.from_namespace(args)
         method = self.layer_attention_types[next(self._next_layer)]
-        return _wrap(LinAttnEncoderLayer(cfg, method, attention_opts(self.args), return_fc=self.return_fc), cfg)
+        return _wrap(LinAttnEncoderLayer(cfg, method, self.attention_config, return_fc=self.return_fc), cfg)
 
 
 class LinAttnTransformerDecoder(TransformerDecoder):
@@ -77,8 +73,8 @@ class LinAttnTransformerDecoder(TransformerDecoder):
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         num_layers = TransformerConfig.from_namespace(args).decoder.layers
-        self.layer_attention_types = layer_types(getattr(args, "decoder_attention_type", "softmax"), num_layers,
-                                                 "decoder_attention_type", CAUSAL_METHODS)
+        self.attention_config = AttentionConfig.from_args(args)
+        self.layer_attention_types = layer_types(self.attention_config.decoder_attention_type, num_layers, "decoder")
         self._next_layer = itertools.count()
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
@@ -86,7 +82,7 @@ class LinAttnTransformerDecoder(TransformerDecoder):
     def build_decoder_layer(self, args, no_encoder_attn=False):
         cfg = TransformerConfig.from_namespace(args)
         method = self.layer_attention_types[next(self._next_layer)]
-        return _wrap(LinAttnDecoderLayer(cfg, method, attention_opts(self.args), no_encoder_attn), cfg)
+        return _wrap(LinAttnDecoderLayer(cfg, method, self.attention_config, no_encoder_attn), cfg)
 
     def buffered_future_mask(self, tensor):
         """None: every self-attention built here is causal by construction, so the (T, T) mask fairseq

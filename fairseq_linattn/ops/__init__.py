@@ -11,4 +11,4 @@ from .lavo import (lavo_attention, lavo_attention_reference, lavo_cross_attentio
                    lavo_cross_memory, lavo_cross_readout, lavo_decode_step, lavo_init_bases, lavo_init_state)
 from .kernelized import kernelized_attention, kernelized_attention_reference, kernelized_kernel_matrix
 from .skyformer import skyformer_attention, skyformer_attention_reference, skyformer_kernel_matrix
-from .moment_matching import MomentMatcher, exact_moment_table, fit_moment_constants, lln_alpha_beta
+from .moment_matching import exact_moment_table, fit_moment_constants, lln_alpha_beta

@@ -1,0 +1,202 @@
+"""The moment-matching hook of an LLN module (LLN §4.1; docs/design.md §3.1): running statistics of
+q and k -> alpha, beta. The formulas are the pure functions of ``fairseq_linattn.ops.moment_matching``;
+this module keeps the state (EMA buffers), the train/eval behaviour and the all-reduce across ranks.
+"""
+import contextlib
+import contextvars
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..ops._checks import check_key_padding_mask, check_positive_int, compute_dtype
+from ..ops.moment_matching import (MIN_SIGMA, MODES, PAPER_A, PAPER_B, STATS, _as_f64, _check_scale_limit,
+                                   _is_number, exact_moment_table, lln_alpha_beta, load_constants)
+
+_F64 = torch.float64
+_STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
+
+
+@contextlib.contextmanager
+def statistics_left_out():
+    """Training forwards inside add no tokens to the batch statistics but still join their all-reduce.
+
+    For fairseq's dummy batches: a rank without data for an update runs a copy of a real batch with
+    ``ignore_grad=True``, so that every rank reaches the same collectives.
+    """
+    token = _STATISTICS_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _STATISTICS_LEFT_OUT.reset(token)
+
+
+class MomentMatcher(nn.Module):
+    """The moment-matching hook: (q, k) -> (alpha, beta) for ``lln_attention`` (docs/design.md §3.1).
+
+    mode: paper | fit | exact | off. a, b: Prop. 4.1 constants (default: the paper's; for ``fit``
+    read from ``constants_file`` unless given). stats: ``batch`` (the current batch, the authors'
+    choice for encoders) or ``ema`` (buffers ``ema_var_q``, ``ema_var_k`` initialised to 1: a forward
+    uses the value from before its batch and then, in training only, folds the batch in as
+    ema <- ema_momentum * ema + (1 - ema_momentum) * batch, so a causal output never depends on
+    future tokens or other sequences; eval uses the frozen buffers). per_head: statistics and
+    alpha, beta per head, else per layer. seq_len: the N of the ``exact`` table.
+
+    sigma is the std of all entries of non-padded tokens (all D channels pooled; see the module
+    docstring for the convention); with torch.distributed initialised, training statistics are
+    all-reduced (sum, sum of squares, count) so every rank uses the same alpha, beta. The last values
+    are kept for logging as detached float64 tensors of shape (H,) or (1,): ``last_sigma_q``,
+    ``last_sigma_k``, ``last_alpha``, ``last_beta``, ``last_tau`` (tau_lln, eq. 11).
+    """
+
+    def __init__(self, mode: str = "paper", *, head_dim: int, num_heads: int = 1, per_head: bool = False,
+                 stats: str = "batch", ema_momentum: float = 0.99, max_scale: float = 8.0,
+                 a: Optional[float] = None, b: Optional[float] = None, constants_file: Optional[str] = None,
+                 fixed_alpha: Optional[float] = None, fixed_beta: Optional[float] = None, seq_len: int = 512):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if stats not in STATS:
+            raise ValueError(f"stats must be one of {', '.join(STATS)}; got {stats!r}")
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        if not _is_number(ema_momentum) or not 0 <= ema_momentum < 1:
+            raise ValueError(f"ema_momentum must be in [0, 1), got {ema_momentum!r}")
+        self.mode, self.stats, self.per_head = mode, stats, bool(per_head)
+        self.ema_momentum, self.max_scale = float(ema_momentum), _check_scale_limit(max_scale)
+        if (fixed_alpha is None) != (fixed_beta is None) or (mode == "off") != (fixed_alpha is not None):
+            raise ValueError("fixed_alpha and fixed_beta are given together, exactly when mode='off'; "
+                             f"got mode={mode!r}, fixed_alpha={fixed_alpha!r}, fixed_beta={fixed_beta!r}")
+        for name, value in (("fixed_alpha", fixed_alpha), ("fixed_beta", fixed_beta)):
+            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        self.fixed_alpha, self.fixed_beta = fixed_alpha, fixed_beta
+        if constants_file is not None and mode != "fit":
+            raise ValueError(f"constants_file is read only with mode='fit', got mode={mode!r}")
+        if mode == "fit":
+            if (constants_file is None) == (a is None or b is None):
+                raise ValueError("mode='fit' needs either constants_file (a JSON written by `python -m "
+                                 "fairseq_linattn.fit_moments`) or both a and b, not both")
+            if constants_file is not None:
+                constants = load_constants(constants_file)
+                if constants.get("head_dim", head_dim) != head_dim:
+                    raise ValueError(f"constants_file {constants_file!r} was fitted for head_dim "
+                                     f"{constants['head_dim']}, the model has head_dim {head_dim}")
+                a, b = constants["a"], constants["b"]
+        self.a = PAPER_A if a is None else a
+        self.b = PAPER_B if b is None else b
+        lln_alpha_beta(1.0, 1.0, self.a, self.b, self.max_scale)  # validates a, b
+        self.seq_len = check_positive_int("seq_len", seq_len)
+        self.table = exact_moment_table(head_dim, seq_len) if mode == "exact" else None
+        groups = self.num_heads if self.per_head else 1
+        if stats == "ema":
+            self.register_buffer("ema_var_q", torch.ones(groups))
+            self.register_buffer("ema_var_k", torch.ones(groups))
+        self.last_sigma_q = self.last_sigma_k = self.last_alpha = self.last_beta = self.last_tau = None
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode}, stats={self.stats}, per_head={self.per_head}, a={self.a:.6g}, "
+                f"b={self.b:.6g}, max_scale={self.max_scale}")
+
+    def _apply(self, fn, *args, **kwargs):
+        # .half()/.bfloat16() would round the EMA's 1 % updates away: keep its buffers float32
+        super()._apply(fn, *args, **kwargs)
+        for name in ("ema_var_q", "ema_var_k"):
+            buf = getattr(self, name, None)
+            if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                setattr(self, name, buf.float())
+        return self
+
+    def _batch_variances(self, q: Tensor, k: Tensor,
+                         key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        """Variances of q and k entries over non-padded tokens and their count, each (G,); all-reduced in
+        training, where a forward inside ``statistics_left_out`` adds nothing (variances 1 for no tokens)."""
+        dims = (0, 2, 3) if self.per_head else (0, 1, 2, 3)
+        keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
+        moments = []
+        for x in (q, k):
+            x = x.detach().to(_F64)
+            xw = x if keep is None else x * keep
+            moments += [xw.sum(dims).reshape(-1), (xw * x).sum(dims).reshape(-1)]
+        tokens = q.shape[0] * q.shape[2] if keep is None else keep.sum()
+        count = _as_f64(tokens, q.device) * q.shape[3] * (1 if self.per_head else q.shape[1])
+        moments.append(count.expand_as(moments[0]))
+        moments = torch.stack(moments)  # (5, G): sum q, sum q², sum k, sum k², count
+        if self.training and _STATISTICS_LEFT_OUT.get():
+            moments = torch.zeros_like(moments)  # a dummy batch: joins the all-reduce with nothing
+        if self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(moments)
+        count = moments[4]
+        n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
+        mean_q, mean_k = moments[0] / n, moments[2] / n
+        var_q, var_k = (moments[1] / n - mean_q ** 2).clamp_min(0), (moments[3] / n - mean_k ** 2).clamp_min(0)
+        return var_q.masked_fill(empty, 1.0), var_k.masked_fill(empty, 1.0), count
+
+    def _match(self, var_q: Tensor, var_k: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
+        sigma_q, sigma_k = var_q.to(_F64).sqrt().clamp_min(MIN_SIGMA), var_k.to(_F64).sqrt().clamp_min(MIN_SIGMA)
+        if self.mode == "off":
+            alpha, beta = torch.full_like(sigma_q, self.fixed_alpha), torch.full_like(sigma_q, self.fixed_beta)
+        elif self.mode == "exact":
+            alpha, beta = self.table.alpha_beta(sigma_q, sigma_k, self.max_scale)
+        else:
+            alpha, beta = lln_alpha_beta(sigma_q, sigma_k, self.a, self.b, self.max_scale)
+        x = alpha ** 2 * sigma_q ** 2 + beta ** 2 * sigma_k ** 2
+        # eq. 11; the exact table replaces the line a x + b by the measured curve at s² = x / 2
+        var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma_q, sigma_k, alpha, beta
+        self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
+        shape = (1, -1, 1, 1)
+        return alpha.to(compute_dtype(like)).view(shape), beta.to(compute_dtype(like)).view(shape)
+
+    def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """q, k (B, H, N, D) -> alpha, beta of shape (1, H, 1, 1) per head or (1, 1, 1, 1) per layer.
+
+        key_padding_mask (B, N), True = padding, masks the tokens of both q and k (self-attention).
+        """
+        for name, x in (("q", q), ("k", k)):
+            if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor of shape (B, H, N, D), got "
+                                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[1] != self.num_heads and self.per_head:
+            raise ValueError(f"q, k must share B, H (= num_heads {self.num_heads} per head) and D, got "
+                             f"{tuple(q.shape)} and {tuple(k.shape)}")
+        key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+        if key_padding_mask is not None and q.shape[2] != k.shape[2]:
+            raise ValueError(f"key_padding_mask masks the tokens of q and k, which must then have the same "
+                             f"length, got {q.shape[2]} and {k.shape[2]}")
+        trained_on = self.training and torch.is_grad_enabled()
+        with torch.no_grad():  # alpha, beta are constants for autograd
+            return self._statistics(q, k, key_padding_mask, trained_on)
+
+    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
+        if self.stats == "batch":
+            return self._match(*self._batch_variances(q, k, key_padding_mask)[:2], like=q)
+        var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
+        # fold the batch in only on a forward that will be trained on: under activation checkpointing
+        # the first pass runs without grad and the recomputation in backward must see the same buffer
+        if trained_on:
+            batch_q, batch_k, count = self._batch_variances(q, k, key_padding_mask)
+            # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
+            # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
+            # nor is one without tokens (every rank on a dummy batch)
+            finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
+            m = self.ema_momentum
+            for buf, batch in ((self.ema_var_q, batch_q), (self.ema_var_k, batch_k)):
+                old = buf.to(_F64)
+                buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
+        return self._match(var_q, var_k, like=q)
+
+    @torch.no_grad()
+    def current(self, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """alpha, beta from the running (EMA) statistics, looking at no token (incremental decoding).
+
+        ``like`` only gives the device and dtype. Needs stats='ema' unless mode='off'.
+        """
+        if self.stats != "ema" and self.mode != "off":
+            raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
+        if self.stats == "ema":
+            return self._match(self.ema_var_q, self.ema_var_k, like=like)
+        ones = torch.ones(1, dtype=_F64, device=like.device)
+        return self._match(ones, ones, like=like)
