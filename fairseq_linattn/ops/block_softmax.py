@@ -96,7 +96,7 @@ def block_softmax_weights(q: Tensor, k: Tensor, *, block_size: int = 64, causal:
 
 def block_softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64,
                                       causal: bool = False, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """``block_softmax_weights`` @ v: the N×N softmax with the mask "same block (and j <= i if causal), key not padded"."""
+    """``block_softmax_weights`` @ v: N×N softmax, mask "same block (and j <= i if causal), key not padded"."""
     check_qkv(q, k, v)
     p = block_softmax_weights(q, k, block_size=block_size, causal=causal, key_padding_mask=key_padding_mask)
     return (p @ v.to(p.dtype)).to(q.dtype)

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype, select_rows
+from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
+                      select_rows)
 
 _NON_CAUSAL_HELP = ("causal=True is not supported: use lln, lln_diag, lavo or softmax for decoder "
                     "self-attention")
