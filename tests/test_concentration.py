@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from fairseq_linattn.analysis import (
-    attention_matrix,
     entropy,
     lln_temperature,
     log_moments,
@@ -13,6 +12,7 @@ from fairseq_linattn.analysis import (
     sparsity,
     spectral_gap,
 )
+from fairseq_linattn.ops import softmax_attention_weights
 
 F64 = torch.float64
 
@@ -73,7 +73,7 @@ def test_softmax_sparsity_matches_lognormal_limit():
         q = q / q.norm() * math.sqrt(var * D) / s  # scaled query |q|^2 / D = var / s^2
         mu = torch.randn(D, generator=g, dtype=F64)
         k = mu + s * torch.randn(reps, 1, N, D, generator=g, dtype=F64)
-        S = sparsity(attention_matrix("softmax", q.expand(reps, 1, 1, D), k))
+        S = sparsity(softmax_attention_weights(q.expand(reps, 1, 1, D), k))
         assert S.shape == (reps, 1)
         assert S.mean().item() == pytest.approx(math.exp(-var / 2), rel=0.03)
 
@@ -86,7 +86,7 @@ def test_softmax_log_moments_follow_prop_3_1():
         q = sigma_q * torch.randn(1, 1, N, D, generator=g, dtype=F64)
         k = sigma_k * torch.randn(1, 1, N, D, generator=g, dtype=F64)
         sigma2 = (sigma_q * sigma_k) ** 2
-        mean, var = log_moments(attention_matrix("softmax", q, k))
+        mean, var = log_moments(softmax_attention_weights(q, k))
         assert (mean.item() + math.log(N)) == pytest.approx(-sigma2 / 2, rel=0.1)
         assert var.item() == pytest.approx(sigma2, rel=0.1)
         assert softmax_temperature(q, k).item() == pytest.approx(1 / math.sqrt(sigma2), rel=0.05)
@@ -146,72 +146,6 @@ def test_measures_are_batched_per_leading_index():
             torch.testing.assert_close(log_moments(P[i, j])[1], var[i, j])
     half = spectral_gap(P.to(torch.bfloat16))
     assert half.dtype == torch.float32 and bool(torch.isfinite(half).all())
-
-
-def test_attention_matrix_matches_formulas_and_samples_rows():
-    g = _gen(6)
-    B, H, N, D = 2, 3, 13, 5
-    q, k = (torch.randn(B, H, N, D, generator=g, dtype=F64) for _ in range(2))
-    pad = torch.zeros(B, N, dtype=torch.bool)
-    pad[1, -4:] = True
-    P = attention_matrix("softmax", q, k, key_padding_mask=pad)
-    logits = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(pad[:, None, None, :], float("-inf"))
-    torch.testing.assert_close(P, logits.softmax(-1), rtol=1e-12, atol=0)
-
-    alpha = torch.tensor([1.0, 1.5, 2.0], dtype=F64).view(1, H, 1, 1)
-    L = attention_matrix("lln", q, k, alpha=alpha, beta=0.7, causal=True)
-    scores = torch.exp(alpha * q) @ torch.exp(0.7 * k).transpose(-1, -2)  # LLN eq. 8-9
-    scores = scores.tril()
-    torch.testing.assert_close(L, scores / scores.sum(-1, keepdim=True), rtol=1e-12, atol=0)
-    assert bool((L.triu(1) == 0).all())
-    assert spectral_gap(L).shape == (B, H)
-
-    rows = torch.tensor([0, 5, 12])
-    torch.testing.assert_close(attention_matrix("lln", q, k, alpha=alpha, beta=0.7, causal=True, rows=rows),
-                               L[:, :, rows], rtol=1e-12, atol=0)
-    sampled = attention_matrix("softmax", q, k, rows=4)
-    assert sampled.shape == (B, H, 4, N)
-    torch.testing.assert_close(sampled, attention_matrix("softmax", q, k)[:, :, [0, 4, 8, 12]])
-    assert entropy(sampled).shape == sparsity(sampled).shape == log_moments(sampled)[0].shape == (B, H)
-    with pytest.raises(ValueError, match="square"):
-        spectral_gap(sampled)
-
-
-def test_lln_attention_matrix_is_exact_for_large_fp32_inputs():
-    # exponents spread over ~±100: exp(alpha q)·exp(beta k) over- or underflows in fp32 if done naively
-    g = _gen(7)
-    q, k = (15 * torch.randn(1, 2, 40, 8, generator=g) for _ in range(2))
-    P = attention_matrix("lln", q, k, alpha=2.0, beta=2.0)
-    log_features = torch.logsumexp(2.0 * q.double()[..., :, None, :] + 2.0 * k.double()[..., None, :, :], dim=-1)
-    assert P.dtype == torch.float32
-    torch.testing.assert_close(P, log_features.softmax(-1).float(), rtol=1e-5, atol=1e-7)
-
-
-def test_lln_attention_matrix_handles_huge_offsets_exactly():
-    # exp(alpha (q_i + c_i)) scales row i by a constant (cancels); exp(beta (k_j + c_j)) reweights
-    # column j by exp(beta c_j). Offsets of hundreds overflow exp even in float64 without the shifts.
-    g = _gen(8)
-    q, k = (torch.randn(1, 2, 9, 4, generator=g, dtype=F64) for _ in range(2))
-    P = attention_matrix("lln", q, k, alpha=2.0, beta=1.5)
-    row_offset = 400 * torch.rand(1, 2, 9, 1, generator=g, dtype=F64)
-    torch.testing.assert_close(attention_matrix("lln", q + row_offset, k, alpha=2.0, beta=1.5), P)
-    key_offset = 400 * torch.rand(1, 2, 9, 1, generator=g, dtype=F64)
-    expected = (P.log() + 1.5 * key_offset.transpose(-1, -2)).softmax(-1)
-    torch.testing.assert_close(attention_matrix("lln", q, k + key_offset, alpha=2.0, beta=1.5), expected)
-
-
-def test_attention_matrix_rejects_bad_arguments():
-    q = torch.randn(1, 1, 6, 4)
-    with pytest.raises(ValueError, match="kind"):
-        attention_matrix("performer", q, q)
-    with pytest.raises(ValueError, match="alpha and beta"):
-        attention_matrix("lln", q, q)
-    with pytest.raises(ValueError, match="rows"):
-        attention_matrix("softmax", q, q, rows=torch.tensor([6]))
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        attention_matrix("softmax", q, q, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
-    with pytest.raises(ValueError, match="same length"):
-        attention_matrix("softmax", q, q[:, :, :5], causal=True)
 
 
 def test_relative_log_moments_put_causal_rows_on_one_scale():

@@ -1,4 +1,5 @@
-"""The attention matrix of each attention module reproduces (or, as documented, explains) its output."""
+"""The attention matrix of each attention module (its ``attention_rows``) reproduces (or, as documented,
+explains) its output."""
 import math
 
 import pytest
@@ -6,9 +7,9 @@ import torch
 
 from conftest import padding_mask
 from fairseq_linattn.analysis import entropy, spectral_gap
-from fairseq_linattn.analysis.module_matrix import (attention_rows, kernel_rows, lavo_token_mixing, lln_parameters,
-                                                    module_attention_matrix, projected_qk)
+from fairseq_linattn.analysis.module_matrix import module_attention_matrix, projected_qk
 from fairseq_linattn.modules.attention import build_attention
+from fairseq_linattn.ops import lavo_token_mixing
 
 E, H, T, B = 16, 2, 23, 3
 
@@ -85,7 +86,7 @@ def test_lln_matrix_leaves_ema_buffers_and_logging_values_alone(gen):
     buffers = module.matcher.ema_var_q.clone(), module.matcher.ema_var_k.clone()
     last_alpha = module.matcher.last_alpha
     q, k = projected_qk(module, 3 * x)
-    params = lln_parameters(module, q, k)
+    params = module.lln_parameters(q, k)
     module_attention_matrix(module, 3 * x)
     assert torch.equal(module.matcher.ema_var_q, buffers[0]) and torch.equal(module.matcher.ema_var_k, buffers[1])
     assert module.matcher.last_alpha is last_alpha and module.training and module.matcher.training
@@ -114,7 +115,8 @@ def test_lavo_token_mixing_and_channel_projection_give_the_output(causal, side, 
     x, pad = inputs(gen, side)
     q, k = projected_qk(module, x)
     v = values(module, x)
-    local, memory, has_memory = lavo_token_mixing(module, q, k, pad)
+    local, memory, has_memory = lavo_token_mixing(q, k, module.pos_bias, window=module.window, causal=causal,
+                                                  key_padding_mask=pad)
     # global part: Pi_t (m_t V), Pi_t = sum_i p_ti B_i B_i^T, p_t = softmax_i(q_t·(H_ti B_i)/sqrt(D)), H_t = B m_t V
     read = memory @ v  # (B, H, T, D)
     code = torch.einsum("bhtd,hrd->bhtr", read, module.bases)
@@ -124,7 +126,7 @@ def test_lavo_token_mixing_and_channel_projection_give_the_output(causal, side, 
     out = module.attend(q, k, v, pad)
     real = ~pad[:, None, :, None].expand_as(out)
     torch.testing.assert_close(expected[real], out[real], rtol=1e-5, atol=1e-7)
-    P = attention_rows(module, q, k, key_padding_mask=pad)
+    P = module.attention_rows(q, k, key_padding_mask=pad)
     check_rows_stochastic(P, pad)
     assert not torch.allclose((P @ v)[real], out[real])  # the channel projection is not the identity
 
@@ -160,12 +162,12 @@ def test_kernelized_kernel_rows_zero_the_padded_key_columns(side, gen):
     q, k = projected_qk(module, 0.3 * x)
     # padded keys equal to the queries: unmasked, their kernel entries would be exp(0) = 1 on the diagonal
     k = torch.where(pad[:, None, :, None], q, k)
-    C = kernel_rows(module, q, k, pad)
-    P = attention_rows(module, q, k, key_padding_mask=pad)
+    C = module.kernel_rows(q, k, pad)
+    P = module.attention_rows(q, k, key_padding_mask=pad)
     cols = pad[:, None, None, :].expand_as(C)
     assert bool((C[cols] == 0).all()) and bool((P[cols] == 0).all())
     check_rows_stochastic(P, pad)
     for b in range(B):  # real rows and columns: the kernel of the sequence alone, without its padding
         real = ~pad[b]
-        alone = kernel_rows(module, q[b:b + 1, :, real], k[b:b + 1, :, real], None)
+        alone = module.kernel_rows(q[b:b + 1, :, real], k[b:b + 1, :, real], None)
         torch.testing.assert_close(C[b:b + 1][:, :, real][..., real], alone, rtol=1e-12, atol=0)

@@ -26,16 +26,6 @@ import torch
 from . import plots
 from .synthetic import DEFAULT_VARIANCES, synthetic_curves
 
-MATRIX_NOTES = {
-    "softmax": "exact: P V is the output",
-    "lln": "exact: P V is the output",
-    "lln_diag": "exact for mix 'average'; head-mean mix weights otherwise",
-    "kernelized": "kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)",
-    "skyformer": "Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1",
-    "lavo": "token mixing 0.5 (local + memory mean); values also pass a per-query channel projection",
-}
-
-
 class AnalysisError(Exception):
     """A problem with the command's input, reported as one line."""
 
@@ -162,7 +152,7 @@ class _Capture:
             layers.append({
                 "name": name, "label": label, "type": module.method, "causal": module.causal,
                 "num_heads": module.num_heads, "head_dim": module.head_dim, "sequences": len(rows),
-                "matrix": MATRIX_NOTES[module.method], "heads": heads,
+                "matrix": module.rows_note, "colour": module.plot_colour, "heads": heads,
                 "mean": {key: value.nanmean().item() for key, value in measures.items()},
                 "log_p_rel": torch.cat(self.samples[name])[:20000].tolist(),
             })

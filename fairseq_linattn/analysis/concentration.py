@@ -7,16 +7,14 @@ float32; float32/float64 in their own precision; results come back in that measu
 No fairseq import: pure PyTorch.
 """
 import math
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..ops._checks import compute_dtype
+
 F64 = torch.float64
-
-
-def _measure_dtype(x: Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 def _check_matrix(name: str, P: Tensor, *, square: bool = False) -> Tensor:
@@ -29,7 +27,7 @@ def _check_matrix(name: str, P: Tensor, *, square: bool = False) -> Tensor:
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {P.dtype}")
     if square and P.shape[-1] != P.shape[-2]:
         raise ValueError(f"{name} must be square (..., N, N), got shape {tuple(P.shape)}")
-    return P.to(_measure_dtype(P))
+    return P.to(compute_dtype(P))
 
 
 def entropy(P: Tensor) -> Tensor:
@@ -111,7 +109,7 @@ def softmax_temperature(q: Tensor, k: Tensor) -> Tensor:
     if q.shape[-1] != k.shape[-1] or q.shape[:-2] != k.shape[:-2]:
         raise ValueError(f"q (..., N, D) and k (..., S, D) must share leading dims and D, "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    dtype = _measure_dtype(q)
+    dtype = compute_dtype(q)
     q, k = q.to(dtype), k.to(dtype)
     D, N, S = q.shape[-1], q.shape[-2], k.shape[-2]
     kc = k - k.mean(-2, keepdim=True)
@@ -135,75 +133,3 @@ def lln_temperature(alpha, beta, sigma_q, sigma_k, a, b) -> Tensor:
         raise ValueError(f"a*(alpha^2 sigma_q^2 + beta^2 sigma_k^2) + b must be > 0 for a temperature, "
                          f"got min {sigma2.min().item():.3g}")
     return sigma2.rsqrt()
-
-
-def select_rows(rows: Union[None, int, Tensor], N: int, device: torch.device) -> Tensor:
-    """Row indices (R,) from None (all), an int (that many evenly spaced rows) or a LongTensor."""
-    if rows is None:
-        return torch.arange(N, device=device)
-    if isinstance(rows, int) and not isinstance(rows, bool):
-        if rows < 1:
-            raise ValueError(f"rows must be a positive int or a 1-D LongTensor of row indices, got {rows}")
-        return torch.linspace(0, N - 1, min(rows, N), device=device).round().long().unique()
-    if (not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64)
-            or rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= N):
-        raise ValueError(f"rows must be a positive int or a non-empty 1-D LongTensor of indices in [0, {N}), "
-                         f"got {rows!r}")
-    return rows.to(device=device, dtype=torch.long)
-
-
-def attention_matrix(kind: str, q: Tensor, k: Tensor, *, alpha=None, beta=None, causal: bool = False,
-                     key_padding_mask: Optional[Tensor] = None,
-                     rows: Union[None, int, Tensor] = None) -> Tensor:
-    """Materialise a row-stochastic attention matrix, for analysis only (quadratic memory).
-
-    kind "softmax": P = softmax(q k^T / sqrt(D)).  kind "lln" (needs alpha, beta: floats or tensors
-    broadcastable to (B, H, 1, 1)): P_ij proportional to exp(alpha q_i)·exp(beta k_j) (LLN eq. 8-9).
-    Masked keys (``causal``: j > i; ``key_padding_mask`` (B, S) bool, True = padding) get P_ij = 0.
-    ``rows`` keeps only some query rows: an int samples that many evenly spaced rows, a 1-D LongTensor
-    gives the indices. q: (B, H, N, D), k: (B, H, S, D) -> P: (B, H, R, S), float32 for half inputs.
-    """
-    if kind not in ("softmax", "lln"):
-        raise ValueError(f"kind must be 'softmax' or 'lln', got {kind!r}")
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor of shape (B, H, N, D), got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
-    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q (B, H, N, D) and k (B, H, S, D) must share B, H and D, "
-                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"causal attention needs q and k of the same length, got {q.shape[2]} and {k.shape[2]}")
-    B, H, N, D = q.shape
-    S = k.shape[2]
-    dtype = _measure_dtype(q)
-    index = select_rows(rows, N, q.device)
-    q, k = q[:, :, index].to(dtype), k.to(dtype)
-
-    if kind == "softmax":
-        logits = q @ k.transpose(-1, -2) / math.sqrt(D)
-    else:
-        if alpha is None or beta is None:
-            raise ValueError("kind 'lln' needs alpha and beta (floats or tensors broadcastable to (B, H, 1, 1))")
-        alpha = torch.as_tensor(alpha, dtype=dtype, device=q.device)
-        beta = torch.as_tensor(beta, dtype=dtype, device=q.device)
-        if alpha.dim() > 4 or beta.dim() > 4:
-            raise ValueError(f"alpha, beta must be floats or broadcastable to (B, H, 1, 1), "
-                             f"got shapes {tuple(alpha.shape)}, {tuple(beta.shape)}")
-        # Features in float64, each query and key shifted by its own max (the query shift cancels in
-        # the row normalisation, the key shift is added back in log space): a feature product only
-        # underflows when its exponents differ by more than ~700.
-        aq, bk = (alpha * q).double(), (beta * k).double()
-        key_shift = bk.amax(-1, keepdim=True)
-        feature_sum = torch.exp(aq - aq.amax(-1, keepdim=True)) @ torch.exp(bk - key_shift).transpose(-1, -2)
-        logits = (feature_sum.clamp_min(torch.finfo(F64).tiny).log() + key_shift.transpose(-1, -2)).to(dtype)
-
-    masked = torch.zeros(1, 1, len(index), S, dtype=torch.bool, device=q.device)
-    if causal:
-        masked = masked | (torch.arange(S, device=q.device)[None, :] > index[:, None])
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.shape != (B, S):
-            raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, S) = {(B, S)}, got "
-                             f"{tuple(key_padding_mask.shape) if isinstance(key_padding_mask, Tensor) else key_padding_mask!r}")
-        masked = masked | key_padding_mask.bool()[:, None, None, :]
-    return logits.masked_fill(masked, float("-inf")).softmax(-1)

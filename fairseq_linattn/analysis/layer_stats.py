@@ -12,8 +12,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .concentration import attention_matrix, entropy, log_moments, softmax_temperature, sparsity, spectral_gap
-from .module_matrix import ROW_NORMALISED_METHODS, attention_rows, kernel_rows, lln_parameters
+from .concentration import entropy, log_moments, softmax_temperature, sparsity, spectral_gap
+from ..ops import lln_attention_weights, softmax_attention_weights
 from ..ops.moment_matching import lln_alpha_beta
 
 
@@ -41,11 +41,14 @@ def _gap(C: Tensor, markov: Tensor) -> Tensor:
 def _comparison(q: Tensor, k: Tensor, rows: Tensor, causal: bool, sigma_q: Tensor, sigma_k: Tensor):
     """var ln(n_i P_ij) of softmax, unmatched LLN and paper-matched LLN on one sequence's q, k (H, n, D)."""
     alpha, beta = lln_alpha_beta(sigma_q, sigma_k)  # LLN eq. 10 with the paper's a, b, per head
-    settings = {"softmax": ("softmax", None, None), "lln_unmatched": ("lln", 1.0, 1.0),
-                "lln_paper": ("lln", alpha.view(1, -1, 1, 1), beta.view(1, -1, 1, 1))}
-    return {f"log_p_rel_var_{name}": log_moments(attention_matrix(kind, q[None], k[None], alpha=a, beta=b_,
-                                                                  causal=causal, rows=rows)[0], relative=True)[1]
-            for name, (kind, a, b_) in settings.items()}
+    q, k = q[None], k[None]
+    matrices = {
+        "softmax": softmax_attention_weights(q, k, causal=causal, rows=rows),
+        "lln_unmatched": lln_attention_weights(q, k, 1.0, 1.0, causal=causal, rows=rows),
+        "lln_paper": lln_attention_weights(q, k, alpha.view(1, -1, 1, 1), beta.view(1, -1, 1, 1), causal=causal,
+                                           rows=rows),
+    }
+    return {f"log_p_rel_var_{name}": log_moments(P[0], relative=True)[1] for name, P in matrices.items()}
 
 
 @torch.no_grad()
@@ -73,15 +76,15 @@ def sequence_statistics(module, q: Tensor, k: Tensor, key_padding_mask: Optional
     if n == 0:
         raise ValueError(f"sequence {b} has no non-padded token")
     qb, kb = q[b:b + 1], k[b:b + 1]
-    if lln is None and hasattr(module, "matcher"):
-        lln = lln_parameters(module, q, k, key_padding_mask)
+    if lln is None:
+        lln = module.lln_parameters(q, k, key_padding_mask)  # None for methods without alpha, beta
     rows = tokens if n <= max_rows else tokens[torch.linspace(0, n - 1, max_rows, device=q.device).round().long()]
-    P = attention_rows(module, qb, kb, key_padding_mask=kpm, rows=rows, lln=lln)[0][:, :, tokens]  # (H, R, n)
+    P = module.attention_rows(qb, kb, key_padding_mask=kpm, rows=rows, lln=lln)[0][:, :, tokens]  # (H, R, n)
     chain = tokens[:max_chain]
     if len(chain) == len(rows) and torch.equal(chain, rows):
         C = P[:, :, :len(chain)]
     else:
-        C = attention_rows(module, qb, kb, key_padding_mask=kpm, rows=chain, lln=lln)[0][:, :, chain]
+        C = module.attention_rows(qb, kb, key_padding_mask=kpm, rows=chain, lln=lln)[0][:, :, chain]
     chain_mass = C.sum(-1, keepdim=True)
     C = C / chain_mass.clamp_min(torch.finfo(C.dtype).tiny)
     markov = (chain_mass > 0).all(-2)[:, 0]  # (H,): a head whose chain has an empty row has no gap
@@ -101,8 +104,8 @@ def sequence_statistics(module, q: Tensor, k: Tensor, key_padding_mask: Optional
     if lln is not None:
         out.update(alpha=_spread(lln["alpha"], h), beta=_spread(lln["beta"], h),
                    temperature_lln=_spread(lln["tau"], h))
-    if module.method in ROW_NORMALISED_METHODS:
-        out["kernel_row_sum"] = kernel_rows(module, qb, kb, kpm, rows).sum(-1).mean(-1)[0]
+    if module.is_kernel_method:
+        out["kernel_row_sum"] = module.kernel_rows(qb, kb, kpm, rows).sum(-1).mean(-1)[0]
     if compare:
         out.update(_comparison(qt, kt, torch.searchsorted(tokens, rows), module.causal, out["sigma_q"], out["sigma_k"]))
     out = {name: value.double().cpu() for name, value in out.items()}

@@ -16,9 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {"softmax": "softmax", "lln_unmatched": "LLN, α = β = 1 (unmatched)",
           "lln_paper": "LLN, matched (paper a, b)", "lln_exact": "LLN, matched (exact table)"}
-COLOURS = {"softmax": "black", "lln_unmatched": "tab:orange", "lln_paper": "tab:blue", "lln_exact": "tab:green",
-           "lln": "tab:blue", "lln_diag": "tab:purple", "kernelized": "tab:red", "skyformer": "tab:brown",
-           "lavo": "tab:olive"}
+COLOURS = {"softmax": "black", "lln_unmatched": "tab:orange", "lln_paper": "tab:blue", "lln_exact": "tab:green"}
 DPI = 100
 
 
@@ -88,7 +86,7 @@ def layers_plot(report: Dict, out_dir: str) -> str:
     for ax, measure, ylabel in ((axes[0], "entropy", "entropy (bits)"), (axes[1], "spectral_gap", "spectral gap")):
         for i, layer in enumerate(layers):
             values = [head[measure] for head in layer["heads"]]
-            ax.scatter([i] * len(values), values, s=14, color=COLOURS.get(layer["type"], "black"), alpha=0.7)
+            ax.scatter([i] * len(values), values, s=14, color=layer.get("colour", "black"), alpha=0.7)
         ax.plot(range(len(layers)), [layer["mean"][measure] for layer in layers], "-", color="grey", lw=1)
         _layer_axis(ax, layers)
         ax.set(ylabel=ylabel)
@@ -107,7 +105,7 @@ def layer_histograms_plot(report: Dict, out_dir: str) -> str:
     styles = ["-", "--", "-.", ":"]
     for i, layer in enumerate(layers):
         ax.hist(layer["log_p_rel"], bins=60, density=True, histtype="step", lw=1.3, ls=styles[i % len(styles)],
-                color=COLOURS.get(layer["type"], "black"), label=f"{layer['label']} ({layer['type']})")
+                color=layer.get("colour", "black"), label=f"{layer['label']} ({layer['type']})")
     ax.set(xlabel="ln(n·P): ln P relative to a uniform row over the n visible keys", ylabel="density")
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "log_p_histograms.png")

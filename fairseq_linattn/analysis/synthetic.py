@@ -11,23 +11,20 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .concentration import attention_matrix, entropy, log_moments, sparsity, spectral_gap
+from .concentration import entropy, log_moments, sparsity, spectral_gap
+from ..ops import lln_attention_weights, softmax_attention_weights
 from ..ops.moment_matching import exact_moment_table, lln_alpha_beta
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_exact")
 DEFAULT_VARIANCES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
 
 
-def _matrices(method: str, q, k, sigma: float, head_dim: int, seq_len: int):
-    if method == "softmax":
-        return attention_matrix("softmax", q, k)
-    if method == "lln_unmatched":
-        return attention_matrix("lln", q, k, alpha=1.0, beta=1.0)
-    if method == "lln_paper":
-        alpha, beta = lln_alpha_beta(sigma, sigma)
-    else:
-        alpha, beta = exact_moment_table(head_dim, seq_len).alpha_beta(sigma, sigma)
-    return attention_matrix("lln", q, k, alpha=alpha, beta=beta)
+def _matrices(q, k, sigma: float, head_dim: int, seq_len: int):
+    """The N x N matrix of each of ``METHODS`` on q, k: softmax and LLN with alpha, beta as labelled."""
+    settings = {"lln_unmatched": (1.0, 1.0), "lln_paper": lln_alpha_beta(sigma, sigma),
+                "lln_exact": exact_moment_table(head_dim, seq_len).alpha_beta(sigma, sigma)}
+    return {"softmax": softmax_attention_weights(q, k),
+            **{name: lln_attention_weights(q, k, alpha, beta) for name, (alpha, beta) in settings.items()}}
 
 
 @torch.no_grad()
@@ -57,8 +54,7 @@ def synthetic_curves(*, head_dim: int = 64, seq_len: int = 256, variances: Seque
         sigma = math.sqrt(variance)
         point = {"input_variance": variance, "theory_log_p_var": variance ** 2,
                  "theory_log_p_mean": -math.log(seq_len) - variance ** 2 / 2}
-        for method in METHODS:
-            P = _matrices(method, sigma * zq, sigma * zk, sigma, head_dim, seq_len)
+        for method, P in _matrices(sigma * zq, sigma * zk, sigma, head_dim, seq_len).items():
             mean, var = log_moments(P)
             point[method] = {name: value.mean().item() for name, value in (
                 ("entropy", entropy(P)), ("spectral_gap", spectral_gap(P)), ("sparsity", sparsity(P)),

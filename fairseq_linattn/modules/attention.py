@@ -17,6 +17,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 
 from .. import ops
 from ..methods import METHODS, AttentionConfig, methods_for
+from ..ops._checks import check_key_padding_mask, compute_dtype
 from ..ops.lln import lln_decode_init, lln_decode_step
 from ..ops.lln_diag import mix_lln_diag
 from .moment_matcher import MomentMatcher
@@ -33,6 +34,9 @@ class AttentionBase(nn.Module):
     takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
     uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
     caches_source = False  # True for a cross-attention that keeps only a summary of its source
+    rows_note = ""  # what ``attention_rows`` is, in a few words (the analysis reports it per layer)
+    is_kernel_method = False  # True: ``attention_rows`` normalises the rows of a kernel C (out = C V), ``kernel_rows``
+    plot_colour = "black"  # the analysis plots' colour for this method's layers
 
     def __init__(self, embed_dim: int, num_heads: int, *, config: Optional[AttentionConfig] = None,
                  kdim: Optional[int] = None, vdim: Optional[int] = None, dropout: float = 0.0, causal: bool = False,
@@ -144,12 +148,35 @@ class AttentionBase(nn.Module):
     def attention_weights(self, q: Tensor, k: Optional[Tensor], key_padding_mask: Optional[Tensor],
                           attn_mask: Optional[Tensor] = None) -> Optional[Tensor]:
         """The (B, H, T, S) attention matrix for ``need_weights``; None for methods that never form it
-        (``fairseq_linattn.analysis`` materialises theirs for analysis)."""
+        (``attention_rows`` materialises theirs for analysis)."""
         return None
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], state: State):
         """One decoding step: (B, H, 1, D) tensors and the buffered state -> (out, new state)."""
         raise NotImplementedError(f"{self.method} attention has no incremental decoding")
+
+    # -- analysis: the module describes its own attention (docs/design.md §8) ----------------------
+    def attention_rows(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, rows=None,
+                       lln: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """Rows of the module's row-stochastic attention matrix P (B, H, R, N) from its projected q, k (B, H, N, D).
+
+        ``rows``: None (all), an int (that many evenly spaced rows) or a LongTensor of indices
+        (``ops.select_rows``).
+        ``lln``: alpha, beta (shape (G,)) for LLN modules, e.g. the matcher's ``last_alpha`` / ``last_beta``
+        of the forward being analysed (default: ``lln_parameters(q, k, key_padding_mask)``); others ignore it.
+        Float32 for half inputs; a query with no visible key gets a row of zeros. What P is: the subclass's
+        docstring and ``rows_note``. No state of the module changes.
+        """
+        raise NotImplementedError(f"{self.method} attention has no attention rows")
+
+    def lln_parameters(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+                       ) -> Optional[Dict[str, Tensor]]:
+        """alpha, beta, sigma_q, sigma_k, tau (shape (G,)) of an LLN module for q, k; None for other methods."""
+        return None
+
+    def kernel_rows(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, rows=None) -> Tensor:
+        """Rows of a kernel method's unnormalised C (B, H, R, N), out = C V (where ``is_kernel_method``)."""
+        raise NotImplementedError(f"{self.method} attention is not a kernel method")
 
     # -- loading a softmax checkpoint ("linearization": attention swap, then fine-tune) ----------
     def upgrade_state_dict_named(self, state_dict: dict, name: str) -> None:
@@ -204,6 +231,7 @@ class SoftmaxAttention(AttentionBase):
 
     method = "softmax"
     takes_attn_mask = True
+    rows_note = "exact: P V is the output"
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         p = self.dropout if self.training else 0.0
@@ -225,11 +253,20 @@ class SoftmaxAttention(AttentionBase):
         out = ops.softmax_attention(q, k, v, key_padding_mask=mask if mask.any() else None)
         return out, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": mask}
 
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """softmax(q k^T / sqrt(D)) with the causal and padding masks (Vaswani et al. eq. 1). Exact: P V = output."""
+        ct = compute_dtype(q)
+        return ops.softmax_attention_weights(q.to(ct), k.to(ct), causal=self.causal, rows=rows,
+                                             key_padding_mask=check_key_padding_mask(key_padding_mask, k))
+
 
 class LLNAttention(AttentionBase):
     """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (docs/design.md §3.1)."""
 
     method = "lln"
+    rows_note = "exact: P V is the output"
+    plot_colour = "tab:blue"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -263,11 +300,45 @@ class LLNAttention(AttentionBase):
     def step(self, q, k, v, key_padding_mask, state):
         return self.lln_step(q, k, v, key_padding_mask, state)
 
+    @torch.no_grad()
+    def lln_parameters(self, q, k, key_padding_mask=None):
+        """alpha, beta (shape (G,), G = H per head or 1 per layer) that the next forward on q, k would use,
+        with sigma_q, sigma_k and tau (LLN eq. 11); float64.
+
+        The matcher runs in eval mode, so its EMA buffers are not updated (an EMA forward in training
+        also uses the buffers from before its batch, so the values are the same); the matcher's
+        ``last_*`` logging values are restored afterwards. Batch statistics are not all-reduced.
+        """
+        names = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
+        saved, was_training = {n: getattr(self.matcher, n) for n in names}, self.matcher.training
+        self.matcher.train(False)
+        try:
+            self.matcher(q, k, key_padding_mask)
+            return {n[len("last_"):]: getattr(self.matcher, n) for n in names}
+        finally:
+            self.matcher.train(was_training)
+            for n, value in saved.items():
+                setattr(self.matcher, n, value)
+
+    def _alpha_beta(self, q, k, key_padding_mask, lln):
+        """(alpha, beta) as (1, G, 1, 1) tensors from ``lln`` or, if None, ``lln_parameters``."""
+        lln = self.lln_parameters(q, k, key_padding_mask) if lln is None else lln
+        return (torch.as_tensor(lln[name]).reshape(1, -1, 1, 1) for name in ("alpha", "beta"))
+
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """The LLN matrix (LLN eq. 8-9) with the module's alpha, beta. Exact: P V = output."""
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, lln)
+        return ops.lln_attention_weights(q, k, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
+                                         rows=rows)
+
 
 class LLNDiagAttention(LLNAttention):
     """LLN+Diag (LLN §4.2): LLN mixed with softmax inside diagonal blocks."""
 
     method = "lln_diag"
+    rows_note = "exact for mix 'average'; head-mean mix weights otherwise"
+    plot_colour = "tab:purple"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -297,20 +368,45 @@ class LLNDiagAttention(LLNAttention):
         return out, {**state, "block_key": bk, "block_value": bv, "block_key_padding_mask": bpad,
                      "position": pos + 1}
 
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """``ops.lln_diag_attention_weights`` (LLN §4.2): 0.5 P_lln + 0.5 P_diag for mix ``average``, exact;
+        the head's mean mix weights for the learnable mixes (exact when constant over a head's channels)."""
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, lln)
+        return ops.lln_diag_attention_weights(q, k, alpha, beta, block_size=self.block_size, causal=self.causal,
+                                              key_padding_mask=key_padding_mask, mix=self.mix, r=self.mix_r,
+                                              p=self.mix_p, rows=rows)
+
 
 class KernelizedAttention(AttentionBase):
     """Exact Gaussian-kernel attention (Skyformer §4.1); non-causal, quadratic."""
 
     method = "kernelized"
+    is_kernel_method = True
+    rows_note = "kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)"
+    plot_colour = "tab:red"
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
+
+    @torch.no_grad()
+    def kernel_rows(self, q, k, key_padding_mask=None, rows=None):
+        """Rows of the exact Gaussian kernel C (B, H, R, N) of ``attend``: out = C V (Skyformer §4.1)."""
+        return ops.kernelized_kernel_matrix(q, k, key_padding_mask=key_padding_mask, rows=rows)
+
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """``kernel_rows`` normalised to sum 1 (``ops.kernel_attention_weights``): out = (C 1) * (P V)."""
+        return ops.kernel_attention_weights(self.kernel_rows(q, k, key_padding_mask, rows))
 
 
 class SkyformerAttention(AttentionBase):
     """Skyformer (Nyström-approximated Gaussian-kernel attention, §4.2); non-causal."""
 
     method = "skyformer"
+    is_kernel_method = True
+    rows_note = "Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1"
+    plot_colour = "tab:brown"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -323,11 +419,27 @@ class SkyformerAttention(AttentionBase):
                                        mode=self.landmark_mode, exact_inverse=self.exact_inverse,
                                        training=self.training)
 
+    @torch.no_grad()
+    def kernel_rows(self, q, k, key_padding_mask=None, rows=None):
+        """Rows of the Nyström kernel C_Q M^-1 C_K^T (B, H, R, N) (Skyformer §4.2) with the deterministic
+        eval landmarks (``training=False``): out = C V in eval mode."""
+        return ops.skyformer_kernel_matrix(q, k, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
+                                           mode=self.landmark_mode, exact_inverse=self.exact_inverse,
+                                           training=False, rows=rows)
+
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """``kernel_rows`` with negatives (from the approximate inverse) set to 0, normalised to sum 1
+        (``ops.kernel_attention_weights``): out = (C 1) * (P V) where C >= 0."""
+        return ops.kernel_attention_weights(self.kernel_rows(q, k, key_padding_mask, rows))
+
 
 class LAVOAttention(AttentionBase):
     """LAVO (orthogonal memory + context dissection + relative bias, LAVO §3); self- or cross-attention."""
 
     method = "lavo"
+    rows_note = "token mixing 0.5 (local + memory mean); values also pass a per-query channel projection"
+    plot_colour = "tab:olive"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -362,6 +474,16 @@ class LAVOAttention(AttentionBase):
                                         window=self.window, dtype=q.dtype, device=q.device)
         return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window,
                                     key_padding_mask=key_padding_mask)
+
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """Self-attention's token mixing P_t = 0.5 (A_t + m_t) (``ops.lavo_token_mixing``, LAVO eq. 3): exact over
+        tokens, but P V is not the output, whose memory read-out also projects the values per query."""
+        if self.cross:
+            raise ValueError("LAVO cross-attention has no token-level attention matrix (every query reads the "
+                             "mean of the source); analyse self-attention modules")
+        return ops.lavo_attention_weights(q, k, self.pos_bias, window=self.window, causal=self.causal,
+                                          key_padding_mask=key_padding_mask, rows=rows)
 
 
 ATTENTION_CLASSES = {name: globals()[method.module_class] for name, method in METHODS.items()}

@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
+                      select_rows)
 
 _NON_CAUSAL_HELP = ("causal=True is not supported: use lln, lln_diag, lavo or softmax for decoder "
                     "self-attention")
@@ -69,12 +70,24 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: O
     return torch.cat(out, dim=2).to(q.dtype)
 
 
-def kernelized_kernel_matrix(q: Tensor, k: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """The exact C (B,H,N,S) of ``kernelized_attention`` in the compute dtype (analysis and tests)."""
+def kernelized_kernel_matrix(q: Tensor, k: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                             rows: Rows = None) -> Tensor:
+    """Rows of the exact C (B,H,R,S) of ``kernelized_attention`` in the compute dtype (analysis and tests);
+    ``rows`` as ``select_rows``."""
     check_qkv(q, k, k, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     qs, ks, _ = _prepare(q, k, k, key_padding_mask)
-    return _exact_kernel(qs, ks, key_padding_mask)
+    return _exact_kernel(qs[:, :, select_rows(rows, q.shape[2], q.device)], ks, key_padding_mask)
+
+
+def kernel_attention_weights(c: Tensor) -> Tensor:
+    """Row-stochastic P = C+ / (C+ 1) from kernel rows C (B,H,R,S), C+ = max(C, 0); a row summing to 0 stays 0.
+
+    A kernel method's output C V is (C 1) * (P V) where C >= 0. Negative entries (Skyformer's Nyström
+    approximation, from its approximate inverse) are set to 0 before normalising.
+    """
+    c = c.clamp_min(0.0)
+    return c / c.sum(-1, keepdim=True).clamp_min(torch.finfo(c.dtype).tiny)
 
 
 def kernelized_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,

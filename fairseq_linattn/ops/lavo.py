@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype
+from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
+                      masked_softmax, select_rows)
 
 
 def lavo_init_bases(num_heads: int, num_bases: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
@@ -68,15 +69,6 @@ def _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask) -> Tuple[int
     _check_bases(bases, q.shape[1], q.shape[-1])
     _check_pos_bias(pos_bias, q.shape[1], window)
     return window, check_key_padding_mask(key_padding_mask, k)
-
-
-def _masked_softmax(scores: Tensor, allowed: Tensor) -> Tensor:
-    """Softmax over the last dim restricted to ``allowed``; rows with nothing allowed give 0 (no NaN)."""
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    top = scores.detach().amax(-1, keepdim=True)  # the shift cancels exactly: no gradient needed
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    e = torch.exp(scores - top)
-    return e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
 
 
 def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_scale: float = 1.0) -> Tensor:
@@ -251,35 +243,78 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     return (out[:, :, :n] if pad else out).to(q.dtype)
 
 
+def lavo_token_mixing(q: Tensor, k: Tensor, pos_bias: Tensor, *, window: int = 64, causal: bool = True,
+                      key_padding_mask: Optional[Tensor] = None, rows: Rows = None
+                      ) -> Tuple[Tensor, Tensor, Tensor]:
+    """LAVO's token mixing for query rows ``rows`` (``select_rows``): the local matrix A, the memory mean m.
+
+    q, k (B,H,N,D), pos_bias (H,2w-1) -> A (B,H,R,N), m (B,H,R,N), has_memory (B,R) bool, in the compute dtype.
+    A_t: the local window softmax with its relative bias (LAVO §3.2-3.3); m_t: the mean of the rows A_j
+    over t's memory tokens j, the non-padded tokens of earlier windows if causal, all if not (eq. 3).
+    The output is 0.5 A_t V + 0.5 Pi_t (m_t V) with Pi_t = sum_i p_ti B_i B_i^T (p_t the memory softmax
+    of eq. 4), A_t V without memory (see ``lavo_attention_reference``). O(R N + N²/w) memory.
+    """
+    check_qkv(q, k, k)
+    w = check_positive_int("window", window)
+    _check_pos_bias(pos_bias, q.shape[1], w)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    b, h, n, d = q.shape
+    ct = compute_dtype(q)
+    q, k, pos_bias = q.to(ct), k.to(ct), pos_bias.to(ct)
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    j = torch.arange(n, device=q.device)
+
+    def local_rows(idx: Tensor) -> Tensor:
+        t = idx[:, None]
+        # causal: keys t-w+1..t; non-causal: the query's window; score q·k/sqrt(D) + P[j - t + w - 1]
+        local = (j <= t) & (j > t - w) if causal else (j // w) == (t // w)
+        scores = q[:, :, idx] @ k.transpose(-1, -2) / math.sqrt(d) + pos_bias[:, (j - t + w - 1).clamp(0, 2 * w - 2)]
+        return masked_softmax(scores, local[None, None] & valid[:, None, None, :])
+
+    nw = -(-n // w)
+    window_sums = torch.zeros(b, h, nw, n, dtype=ct, device=q.device)  # sum of A's rows over each window's real tokens
+    for m in range(nw):
+        idx = j[m * w:(m + 1) * w]
+        window_sums[:, :, m] = (local_rows(idx) * valid[:, None, idx, None]).sum(2)
+    window_counts = F.pad(valid.to(ct), (0, nw * w - n)).view(b, nw, w).sum(2)  # (B,nw)
+    index = select_rows(rows, n, q.device)
+    if causal:  # windows < m (LAVO eq. 3)
+        mem_sum = (window_sums.cumsum(2) - window_sums)[:, :, index // w]
+        mem_cnt = (window_counts.cumsum(1) - window_counts)[:, index // w]
+    else:
+        mem_sum = window_sums.sum(2, keepdim=True).expand(-1, -1, len(index), -1)
+        mem_cnt = window_counts.sum(1, keepdim=True).expand(-1, len(index))
+    memory = mem_sum / mem_cnt.clamp_min(1)[:, None, :, None]
+    return local_rows(index), memory, mem_cnt > 0
+
+
+def lavo_attention_weights(q: Tensor, k: Tensor, pos_bias: Tensor, *, window: int = 64, causal: bool = True,
+                           key_padding_mask: Optional[Tensor] = None, rows: Rows = None) -> Tensor:
+    """Row-stochastic token mixing P_t = 0.5 A_t + 0.5 m_t (A_t without memory) of ``lavo_token_mixing``.
+
+    (B,H,R,N). P says which tokens a query reads; P V is not the output (the memory read-out also
+    projects the values per query, Pi_t).
+    """
+    local, memory, has_memory = lavo_token_mixing(q, k, pos_bias, window=window, causal=causal,
+                                                  key_padding_mask=key_padding_mask, rows=rows)
+    return torch.where(has_memory[:, None, :, None], 0.5 * (local + memory), local)
+
+
 def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *,
                              window: int = 64, causal: bool = True,
                              key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """docs/design.md §6 materialised: N×N local mask and bias, per-query memory mask and Xtil (B,H,N,r,D)."""
+    """docs/design.md §6 materialised from ``lavo_token_mixing``: N×N A and m, memory Xtil (B,H,N,r,D)."""
     w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
-    b, h, n, d = q.shape
-    ct = compute_dtype(q)
-    q, k, v, bases, pos_bias = (t.to(ct) for t in (q, k, v, bases, pos_bias))
-    t = torch.arange(n, device=q.device)[:, None]
-    j = torch.arange(n, device=q.device)[None, :]
-    valid = torch.ones(b, n, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        valid = ~key_padding_mask
-    # local: causal keys t-w+1..t, else the query's own window; score q·k/sqrt(D) + P[j - t + w - 1]
-    local = (j <= t) & (j > t - w) if causal else (j // w) == (t // w)
-    allowed = local & valid[:, None, None, :]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d) + pos_bias[:, (j - t + w - 1).clamp(0, 2 * w - 2)]
-    scores = scores.masked_fill(~allowed, torch.finfo(ct).min)
-    x = (torch.softmax(scores, -1) * allowed.any(-1, keepdim=True)) @ v  # no allowed key -> 0
-    # memory: H_t = mean of B x_j over non-padded j of earlier windows (causal) or all j (eq. 3)
-    mem = valid[:, None, :] & ((j // w) < (t // w) if causal else torch.ones_like(local))
-    cnt = mem.sum(-1).to(ct)  # (B,N)
-    bx = torch.einsum("bhjd,hrd->bhjr", x, bases)
-    mean = torch.einsum("btj,bhjr->bhtr", mem.to(ct), bx) / cnt.clamp_min(1)[:, None, :, None]
+    local, memory, has_memory = lavo_token_mixing(q, k, pos_bias, window=w, causal=causal,
+                                                  key_padding_mask=key_padding_mask)
+    ct = local.dtype
+    q, v, bases = q.to(ct), v.to(ct), bases.to(ct)
+    x = local @ v  # F_local (LAVO §3.2-3.3); a query with no allowed key gets 0
+    mean = torch.einsum("bhtd,hrd->bhtr", memory @ v, bases)  # H_t = mean of B x_j over t's memory tokens (eq. 3)
     xtil = mean[..., None] * bases[None, :, None]  # Xtil = B ⊙ H, (B,H,N,r,D)
-    p = torch.softmax(torch.einsum("bhtd,bhtrd->bhtr", q, xtil) / math.sqrt(d), -1)  # eq. 4
+    p = torch.softmax(torch.einsum("bhtd,bhtrd->bhtr", q, xtil) / math.sqrt(q.shape[-1]), -1)  # eq. 4
     glob = torch.einsum("bhtr,bhtrd->bhtd", p, xtil)
-    has_mem = (cnt > 0)[:, None, :, None]
-    return torch.where(has_mem, 0.5 * (x + glob), x)
+    return torch.where(has_memory[:, None, :, None], 0.5 * (x + glob), x)
 
 
 def _check_cross(q, k_src, v_src, bases, key_padding_mask) -> Optional[Tensor]:
@@ -414,7 +449,7 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
     values = torch.cat([state["prev_value"], v], dim=2)
     key_pad = torch.cat([state["prev_key_padding_mask"], pad], dim=1)  # (B,w)
     scores = q @ keys.transpose(-1, -2) / math.sqrt(d) + pos_bias_[:, None, :w]  # P[j - t + w - 1] = P[c]
-    x = _masked_softmax(scores, ~key_pad[:, None, None, :]) @ values  # F_local,t
+    x = masked_softmax(scores, ~key_pad[:, None, None, :]) @ values  # F_local,t
     mem_count = state["mem_count"]
     mean = state["mem_sum"] / mem_count.clamp_min(1)[:, None, None]
     qb = torch.einsum("bhnd,hrd->bhnr", q, bases_)

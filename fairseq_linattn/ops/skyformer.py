@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import autocast_off, check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, select_rows
 from .kernelized import _prepare, check_non_causal, gaussian_kernel, kernelized_attention_reference
 
 MODES = ("stratified", "uniform")
@@ -137,15 +137,16 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
 def skyformer_kernel_matrix(q: Tensor, k: Tensor, *, num_landmarks: int = 128,
                             key_padding_mask: Optional[Tensor] = None, mode: str = "stratified",
                             generator: Optional[torch.Generator] = None, exact_inverse: bool = False,
-                            training: bool = True, gamma: float = GAMMA) -> Tensor:
-    """The materialised C_approx = C_Q M^-1 C_K^T (B,H,N,N) in the compute dtype (analysis and tests).
+                            training: bool = True, gamma: float = GAMMA, rows: Rows = None) -> Tensor:
+    """Rows of the materialised C_approx = C_Q M^-1 C_K^T (B,H,R,N) in the compute dtype (analysis and tests).
 
-    Same landmarks as ``skyformer_attention`` for the same arguments and generator state.
+    Same landmarks as ``skyformer_attention`` for the same arguments and generator state (chosen from
+    all N tokens whatever ``rows``, which is as ``select_rows``).
     """
     key_padding_mask = _check_args(q, k, k, key_padding_mask, num_landmarks, mode, generator, False, gamma)
     c_q, m_inv, c_k = _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator,
                                        exact_inverse, training, gamma)
-    return c_q @ m_inv @ c_k.transpose(-1, -2)
+    return c_q[:, :, select_rows(rows, q.shape[2], q.device)] @ m_inv @ c_k.transpose(-1, -2)
 
 
 def skyformer_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int = 128,

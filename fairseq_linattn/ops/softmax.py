@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv
+from ._checks import Rows, check_key_padding_mask, check_qkv, masked_softmax, select_rows
 
 
 def _allowed(q: Tensor, k: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -79,19 +79,23 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
 def softmax_attention_weights(q: Tensor, k: Tensor, *, causal: bool = False,
                               key_padding_mask: Optional[Tensor] = None,
-                              attn_mask: Optional[Tensor] = None) -> Tensor:
-    """The materialised matrix P = softmax(q k^T / sqrt(D) + attn_mask) (B,H,N,S); rows with no allowed key are 0."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+                              attn_mask: Optional[Tensor] = None, rows: Rows = None) -> Tensor:
+    """P = softmax(q k^T / sqrt(D) + attn_mask) (Vaswani et al. eq. 1), (B,H,R,S) in q's dtype.
+
+    ``rows``: the query rows to materialise (``select_rows``: None all, an int evenly spaced, or indices).
+    Rows with no allowed key are 0.
+    """
+    index = select_rows(rows, q.shape[2], q.device)
+    scores = q[:, :, index] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     bias = check_attn_mask(attn_mask, q, k)
     if bias is not None:
-        scores = scores + bias
+        scores = scores + bias[index]
     allowed = _allowed(q, k, causal, key_padding_mask)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
     if bias is None and allowed is None:
         return torch.softmax(scores, -1)
-    has_key = (~torch.isneginf(scores)).any(-1, keepdim=True)  # NaN scores stay NaN: nothing hidden
-    return torch.softmax(scores, -1).masked_fill(~has_key, 0.0)
+    if allowed is not None and allowed.shape[2] > 1:
+        allowed = allowed[:, :, index]
+    return masked_softmax(scores, allowed)  # NaN scores stay NaN: nothing hidden
 
 
 def softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,

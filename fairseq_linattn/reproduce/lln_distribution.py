@@ -20,8 +20,9 @@ from typing import Dict, Sequence
 
 import torch
 
-from ..analysis.concentration import attention_matrix, entropy, log_moments, spectral_gap
+from ..analysis.concentration import entropy, log_moments, spectral_gap
 from .common import torch_threads
+from ..ops import lln_attention_weights, softmax_attention_weights
 from ..ops.moment_matching import PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants, lln_alpha_beta
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_fit", "lln_exact")
@@ -64,10 +65,10 @@ def _measure(head_dims, seq_len, variances, num_matrices, fit_range, seed) -> Di
             for method in METHODS:
                 q, k = sigma * zq, sigma * zk
                 if method == "softmax":
-                    P, alpha, beta = attention_matrix("softmax", q, k), None, None
+                    P, alpha, beta = softmax_attention_weights(q, k), None, None
                 else:
                     alpha, beta = _alpha_beta(method, sigma, constants, head_dim, seq_len)
-                    P = attention_matrix("lln", q, k, alpha=alpha, beta=beta)
+                    P = lln_attention_weights(q, k, alpha, beta)
                 mean, var = log_moments(P)
                 point[method] = {"log_p_mean": mean.mean().item(), "log_p_var": var.mean().item(),
                                  "entropy_bits": entropy(P).mean().item(),
