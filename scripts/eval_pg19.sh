@@ -3,10 +3,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
 
-usage() {
-  cat <<USAGE
-Usage: scripts/eval_pg19.sh CHECKPOINT [fairseq-eval-lm options...]
-
+RECIPE_ARGS="CHECKPOINT"
+RECIPE_PASSES=fairseq-eval-lm
+about() {
+  cat <<ABOUT
 Run fairseq-eval-lm on CHECKPOINT (from scripts/train_pg19.sh) at each context length of
 configs/pg19_lm.yaml eval.contexts (8192, 12288, 16384; SAMPLE=1: 128, 192, 256) in
 non-overlapping blocks (--context-window 0), overriding the model's tokens_per_sample and
@@ -17,10 +17,9 @@ prepare_pg19 wrote beside the data, nan without it) and writes it to OUT/extrapo
 ratio to the first context ("paper ppl"; softmax: the FlashAttention row, lavo: LAVO, others: —).
 Environment: CONTEXTS ["the config's"], SUBSET [test], CONTEXT_WINDOW [0], DEVICE, SAMPLE, FP16, DATA
 (as for the training scripts), ATTN [the checkpoint's decoder attention type] for the paper column.
-USAGE
+ABOUT
 }
-case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
-CHECKPOINT="$1"; shift
+recipe_cli "$@"
 [ -f "$CHECKPOINT" ] || die "no checkpoint $CHECKPOINT"
 OUT="${OUT:-$(dirname "$CHECKPOINT")}"
 DATA_DIR="$(data_dir pg19_lm.yaml)"
@@ -41,7 +40,7 @@ for L in "${LENGTHS[@]}"; do
   log="$("$BIN/fairseq-eval-lm" "$DATA_DIR" --path "$CHECKPOINT" --user-dir "$USER_DIR" --gen-subset "$SUBSET" \
     --tokens-per-sample "$L" --max-tokens "$((L - CONTEXT_WINDOW))" --context-window "$CONTEXT_WINDOW" \
     --distributed-world-size 1 \
-    --model-overrides "{'tokens_per_sample': $L, 'max_target_positions': $L}" "${device[@]}" "$@" 2>&1)" \
+    --model-overrides "{'tokens_per_sample': $L, 'max_target_positions': $L}" "${device[@]}" "${REST[@]}" 2>&1)" \
     || { echo "$log" | tail -20 >&2; die "fairseq-eval-lm failed at context $L"; }
   result="$(echo "$log" | grep -o 'Loss (base 2): [0-9.e+-]*, Perplexity: \(inf\|[0-9.e+-]*\)' | tail -1 || true)"
   [ -n "$result" ] || { echo "$log" | tail -20 >&2; die "no perplexity in fairseq-eval-lm's output"; }

@@ -3,10 +3,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
 
-usage() {
-  cat <<USAGE
-Usage: scripts/finetune_glue.sh TASK ATTN CHECKPOINT [fairseq-train options...]
-
+RECIPE_ARGS="TASK ATTN CHECKPOINT"
+about() {
+  cat <<ABOUT
 Fine-tune CHECKPOINT (from scripts/pretrain_wikitext103.sh ATTN) on TASK (mnli, qnli, qqp, sst2;
 with SAMPLE=1: kjv_testament, kjv_next_verse) with fairseq's GLUE settings (lr 1e-5, batch 32,
 10 epochs, polynomial decay, 6 % warmup; QQP 25 %, its official value). ATTN must be the attention
@@ -22,15 +21,12 @@ $KNOBS_HELP
 
 Example:
   scripts/finetune_glue.sh mnli lln checkpoints/pretrain_wikitext103/lln/checkpoint_best.pt
-USAGE
+ABOUT
 }
-case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
-[ $# -ge 3 ] || { usage >&2; exit 2; }
-TASK="$1"; ATTN="$2"; CHECKPOINT="$3"; shift 3
-check_attention "$ATTN"
+recipe_cli "$@"
+check_attention encoder "$ATTN"
 [ -f "$CHECKPOINT" ] || die "no checkpoint $CHECKPOINT"
 OUT="${OUT:-$ROOT/checkpoints/glue/$TASK/$ATTN}"
-config_args glue.yaml --task "$TASK"
-DATA_DIR="$(data_dir glue.yaml "$TASK-bin")"
-train "$DATA_DIR" "${ARGS[@]}" --encoder-attention-type "$ATTN" --finetune-from-model "$CHECKPOINT" "$@"
+recipe_train glue.yaml --task "$TASK" --data-subdir "$TASK-bin" -- \
+  --encoder-attention-type "$ATTN" --finetune-from-model "$CHECKPOINT" "${REST[@]}"
 echo "[recipe] best checkpoint: $OUT/checkpoint_best.pt  TensorBoard: ${TB:-$OUT/tb}"

@@ -3,10 +3,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
 
-usage() {
-  cat <<USAGE
-Usage: scripts/glue_all.sh ATTN CHECKPOINT [fairseq-train options...]
-
+RECIPE_ARGS="ATTN CHECKPOINT"
+about() {
+  cat <<ABOUT
 Run scripts/finetune_glue.sh for MNLI, QNLI, QQP and SST-2 (SAMPLE=1: the two KJV sample tasks) one
 after the other, then print the best validation accuracies as a row like LLN Table 1 (MNLI as
 matched/mismatched), each beside the paper's figure for ATTN ("TASK paper": LLN Table 1's SA
@@ -15,12 +14,10 @@ Runs go to OUT_ROOT/TASK/ATTN [OUT_ROOT: checkpoints/glue]; a finished task is n
 (remove its directory to redo it). Other knobs as for scripts/finetune_glue.sh:
 
 $KNOBS_HELP
-USAGE
+ABOUT
 }
-case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
-[ $# -ge 2 ] || { usage >&2; exit 2; }
-ATTN="$1"; CHECKPOINT="$2"; shift 2
-check_attention "$ATTN"
+recipe_cli "$@"
+check_attention encoder "$ATTN"
 OUT_ROOT="${OUT_ROOT:-$ROOT/checkpoints/glue}"
 read -r -a TASKS <<< "$(config_get glue.yaml tasks)"
 runs=()
@@ -28,7 +25,7 @@ for TASK in "${TASKS[@]}"; do
   run="$OUT_ROOT/$TASK/$ATTN"
   runs+=("$run")
   if [ -f "$run/finished" ]; then echo "[recipe] $TASK: finished already ($run)"; continue; fi
-  OUT="$run" TB="${TB:+$TB/$TASK}" bash "$ROOT/scripts/finetune_glue.sh" "$TASK" "$ATTN" "$CHECKPOINT" "$@"
+  OUT="$run" TB="${TB:+$TB/$TASK}" bash "$ROOT/scripts/finetune_glue.sh" "$TASK" "$ATTN" "$CHECKPOINT" "${REST[@]}"
   touch "$run/finished"
 done
 summary="$("$PY" "$ROOT/fairseq_linattn/recipes/report.py" glue --attention "$ATTN" "${runs[@]}")"

@@ -3,10 +3,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
 
-usage() {
-  cat <<USAGE
-Usage: scripts/pretrain_wikitext103.sh ATTN [fairseq-train options...]
-
+RECIPE_ARGS="ATTN"
+about() {
+  cat <<ABOUT
 Pretrain linattn_roberta_base (fairseq's RoBERTa-base recipe: 512 tokens, 2048 sequences per
 update, lr 5e-4, 10k warmup, 125k updates) with --encoder-attention-type ATTN
 (softmax, lln, lln_diag, skyformer, kernelized; or a comma list, one per layer).
@@ -18,13 +17,10 @@ $KNOBS_HELP
 Examples:
   GPUS_PER_NODE=8 scripts/pretrain_wikitext103.sh lln
   DEVICE=cpu SAMPLE=1 scripts/pretrain_wikitext103.sh lln_diag      # a few CPU updates on data/
-USAGE
+ABOUT
 }
-case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
-ATTN="$1"; shift
-check_attention "$ATTN"
+recipe_cli "$@"
+check_attention encoder "$ATTN"
 OUT="${OUT:-$ROOT/checkpoints/pretrain_wikitext103/$ATTN}"
-DATA_DIR="$(data_dir pretrain_wikitext103.yaml)"
-config_args pretrain_wikitext103.yaml
-train "$DATA_DIR" "${ARGS[@]}" --encoder-attention-type "$ATTN" "$@"
+recipe_train pretrain_wikitext103.yaml -- --encoder-attention-type "$ATTN" "${REST[@]}"
 echo "[recipe] checkpoints: $OUT  TensorBoard: ${TB:-$OUT/tb}"

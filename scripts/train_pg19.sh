@@ -3,10 +3,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_lib.sh"
 
-usage() {
-  cat <<USAGE
-Usage: scripts/train_pg19.sh ATTN [fairseq-train options...]
-
+RECIPE_ARGS="ATTN"
+about() {
+  cat <<ABOUT
 Train linattn_lm_gpt (12 layers, 768-d) on PG-19 with --decoder-attention-type ATTN (softmax, lln,
 lln_diag, lavo; or a comma list, one per layer): LAVO's setting, context 8192, 2^17 tokens per
 update, AdamW (0.9, 0.999), wd 0.01, lr 5e-4 inverse-sqrt after 10k warmup, 125k updates, dropout
@@ -19,13 +18,10 @@ $KNOBS_HELP
 Examples:
   GPUS_PER_NODE=8 scripts/train_pg19.sh lavo
   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train_pg19.sh lln   # on each node
-USAGE
+ABOUT
 }
-case "${1:-}" in -h|--help|"") usage; [ -n "${1:-}" ]; exit $?;; esac
-ATTN="$1"; shift
-check_attention "$ATTN"
+recipe_cli "$@"
+check_attention decoder "$ATTN"
 OUT="${OUT:-$ROOT/checkpoints/pg19/$ATTN}"
-DATA_DIR="$(data_dir pg19_lm.yaml)"
-config_args pg19_lm.yaml
-train "$DATA_DIR" "${ARGS[@]}" --decoder-attention-type "$ATTN" "$@"
+recipe_train pg19_lm.yaml -- --decoder-attention-type "$ATTN" "${REST[@]}"
 echo "[recipe] checkpoints: $OUT  TensorBoard: ${TB:-$OUT/tb}  next: scripts/eval_pg19.sh $OUT/checkpoint_best.pt"
