@@ -521,6 +521,16 @@ def glue_table(text: str):
     return dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
 
 
+def test_glue_summary_reads_the_runs_before_a_rerun(tmp_path):
+    # an interrupted fine-tuning rerun into the same OUT: its best accuracy is in the earlier run's log
+    fake_log(tmp_path / "sst-2" / "lln" / "train.log.1", [3], [(2, 1.5, 81.0), (4, 1.2, 88.5)])
+    fake_log(tmp_path / "sst-2" / "lln" / "train.log.2", [3], [(6, 1.1, 86.0)])
+    fake_log(tmp_path / "sst-2" / "lln" / "train.log", [3], [(8, 1.0, 87.0)])
+    assert [p.name for p in report.run_logs(tmp_path / "sst-2" / "lln" / "train.log")] == \
+        ["train.log.1", "train.log.2", "train.log"]
+    assert "| 88.5 |" in report.glue_summary("lln", [tmp_path / "sst-2" / "lln"]).splitlines()[2]
+
+
 def test_glue_summary_puts_lln_table1_beside_each_task(tmp_path):
     runs = []
     for k, task in enumerate(("mnli", "qnli", "qqp", "sst2")):

@@ -38,11 +38,22 @@ def _tag(record: dict) -> str:
     return "train_inner"
 
 
-def read_log(path: Path) -> Dict[str, List[dict]]:
-    """{tag: [record, ...]} with numeric values as floats, in the order logged (repeated lines once)."""
+def run_logs(log_file: Path) -> List[Path]:
+    """``train.log`` after the logs of the earlier runs into the same directory (``train.log.1``, ``.2``, ...:
+    a rerun keeps them, see scripts/recipe_lib.sh), oldest first."""
+    log_file = Path(log_file)
+    earlier = [p for p in log_file.parent.glob(log_file.name + ".*") if p.suffix[1:].isdigit()]
+    return sorted(earlier, key=lambda p: int(p.suffix[1:])) + [log_file]
+
+
+def read_log(path: Path, *, with_earlier_runs: bool = False) -> Dict[str, List[dict]]:
+    """{tag: [record, ...]} with numeric values as floats, in the order logged (repeated lines once);
+    ``with_earlier_runs``: the earlier runs' logs first (``run_logs``), e.g. a fine-tuning resumed after a stop."""
     records: Dict[str, List[dict]] = {tag: [] for tag in TAGS}
     seen = set()
-    for line in Path(path).read_text(errors="replace").splitlines():
+    paths = run_logs(path) if with_earlier_runs else [Path(path)]
+    lines = [line for p in paths if p.is_file() for line in p.read_text(errors="replace").splitlines()]
+    for line in lines:
         text = line[line.find("{"):] if "{" in line else ""
         if text in seen:  # fairseq's --log-file handler is added again at every epoch
             continue
@@ -133,7 +144,8 @@ def glue_summary(attention: str, run_dirs: List[Path]) -> str:
     for run in run_dirs:
         task = Path(run).parent.name
         log_file = Path(run) / "train.log"
-        cells[task] = glue_accuracy(task, read_log(log_file)) if log_file.is_file() else "—"
+        cells[task] = (glue_accuracy(task, read_log(log_file, with_earlier_runs=True)) if log_file.is_file()
+                       else "—")
     names = [GLUE_COLUMNS.get(t, t) for t in cells]
     header = "| attention | " + " | ".join(f"{name} | {name} paper" for name in names) + " |"
     rule = "|---|" + "---|---|" * len(cells)
