@@ -34,22 +34,26 @@ def test_help_says_what_it_does_and_how_long():
 
 def test_op_checks_pass_on_the_cpu_and_catch_a_wrong_op():
     cases = gpu_selftest.op_cases(2, 8)
-    some = {name: cases[name] for name in ("softmax causal", "lln", "lavo causal", "skyformer", "lavo_cross")}
+    from fairseq_linattn.methods import METHODS
+    assert set(cases) == {f"{name} {role}" for name, m in METHODS.items() for role in m.roles}
+    some = {name: cases[name] for name in ("softmax decoder", "lln encoder", "lavo decoder", "skyformer encoder",
+                                            "lavo cross")}
     rows = gpu_selftest.check_ops("cpu", dtypes=("float32", "bfloat16"), heads=2, n=40, head_dim=8, cases=some)
     assert len(rows) == 10 and all(r["ok"] for r in rows), rows
     assert all(r["out_err"] < r["tol"] for r in rows)
+    softmax = cases["softmax encoder"]
 
-    def wrong(q, k, v, mask, extra, ref=False):  # a kernel that drops the last key of every row
-        out = cases["softmax"](q, k, v, mask, extra, ref=ref)
-        return out if ref else cases["softmax"](q, k[:, :, :-1], v[:, :, :-1], mask[:, :-1], extra)
+    def wrong(q, k, v, mask, ref=False):  # a kernel that drops the last key of every row
+        out = softmax(q, k, v, mask, ref=ref)
+        return out if ref else softmax(q, k[:, :, :-1], v[:, :, :-1], mask[:, :-1])
 
-    def crash(q, k, v, mask, extra, ref=False):
+    def crash(q, k, v, mask, ref=False):
         if ref:
-            return cases["softmax"](q, k, v, mask, extra, ref=True)
+            return softmax(q, k, v, mask, ref=True)
         raise RuntimeError("no kernel image is available")
 
-    def offset(q, k, v, mask, extra, ref=False):  # a wrong output with the right gradients
-        return cases["softmax"](q, k, v, mask, extra, ref=ref) + (0 if ref else 0.01)
+    def offset(q, k, v, mask, ref=False):  # a wrong output with the right gradients
+        return softmax(q, k, v, mask, ref=ref) + (0 if ref else 0.01)
 
     bad = gpu_selftest.check_ops("cpu", dtypes=("float32",), heads=2, n=40, head_dim=8,
                                  cases={"wrong": wrong, "crash": crash, "offset": offset})

@@ -35,6 +35,7 @@ class AttentionBase(nn.Module):
     uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
     caches_source = False  # True for a cross-attention that keeps only a summary of its source
     rows_note = ""  # what ``attention_rows`` is, in a few words (the analysis reports it per layer)
+    rounding_gain = 1.0  # how much more than an exact op the method's output may round in half precision
     is_kernel_method = False  # True: ``attention_rows`` normalises the rows of a kernel C (out = C V), ``kernel_rows``
     plot_colour = "black"  # the analysis plots' colour for this method's layers
 
@@ -169,6 +170,11 @@ class AttentionBase(nn.Module):
         """
         raise NotImplementedError(f"{self.method} attention has no attention rows")
 
+    def reference(self, q: Tensor, k: Optional[Tensor], v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """What ``attend`` computes, materialised by the op's ``*_reference`` (the paper's formula, N×N), in the
+        inputs' dtype: run it on a float64 copy of the module to check ``attend`` (tests, GPU self-test)."""
+        raise NotImplementedError(f"{self.method} attention has no reference")
+
     def lln_parameters(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
                        ) -> Optional[Dict[str, Tensor]]:
         """alpha, beta, sigma_q, sigma_k, tau (shape (G,)) of an LLN module for q, k; None for other methods."""
@@ -253,6 +259,9 @@ class SoftmaxAttention(AttentionBase):
         out = ops.softmax_attention(q, k, v, key_padding_mask=mask if mask.any() else None)
         return out, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": mask}
 
+    def reference(self, q, k, v, key_padding_mask=None):
+        return ops.softmax_attention_reference(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)
+
     @torch.no_grad()
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """softmax(q k^T / sqrt(D)) with the causal and padding masks (Vaswani et al. eq. 1). Exact: P V = output."""
@@ -325,6 +334,11 @@ class LLNAttention(AttentionBase):
         lln = self.lln_parameters(q, k, key_padding_mask) if lln is None else lln
         return (torch.as_tensor(lln[name]).reshape(1, -1, 1, 1) for name in ("alpha", "beta"))
 
+    def reference(self, q, k, v, key_padding_mask=None):
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)
+        return ops.lln_attention_reference(q, k, v, alpha.to(q), beta.to(q), causal=self.causal,
+                                           key_padding_mask=key_padding_mask)
+
     @torch.no_grad()
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """The LLN matrix (LLN eq. 8-9) with the module's alpha, beta. Exact: P V = output."""
@@ -368,6 +382,12 @@ class LLNDiagAttention(LLNAttention):
         return out, {**state, "block_key": bk, "block_value": bv, "block_key_padding_mask": bpad,
                      "position": pos + 1}
 
+    def reference(self, q, k, v, key_padding_mask=None):
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)
+        return ops.lln_diag_attention_reference(q, k, v, alpha.to(q), beta.to(q), block_size=self.block_size,
+                                                causal=self.causal, key_padding_mask=key_padding_mask, mix=self.mix,
+                                                r=self.mix_r, p=self.mix_p)
+
     @torch.no_grad()
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """``ops.lln_diag_attention_weights`` (LLN §4.2): 0.5 P_lln + 0.5 P_diag for mix ``average``, exact;
@@ -389,6 +409,9 @@ class KernelizedAttention(AttentionBase):
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
 
+    def reference(self, q, k, v, key_padding_mask=None):
+        return ops.kernelized_attention_reference(q, k, v, key_padding_mask=key_padding_mask)
+
     @torch.no_grad()
     def kernel_rows(self, q, k, key_padding_mask=None, rows=None):
         """Rows of the exact Gaussian kernel C (B, H, R, N) of ``attend``: out = C V (Skyformer §4.1)."""
@@ -407,6 +430,7 @@ class SkyformerAttention(AttentionBase):
     is_kernel_method = True
     rows_note = "Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1"
     plot_colour = "tab:brown"
+    rounding_gain = 10.0  # the Nyström (pseudo-)inverse amplifies half-precision rounding (GPU self-test tolerance)
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -418,6 +442,13 @@ class SkyformerAttention(AttentionBase):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
                                        mode=self.landmark_mode, exact_inverse=self.exact_inverse,
                                        training=self.training)
+
+    def reference(self, q, k, v, key_padding_mask=None):
+        """The materialised Nyström kernel C_Q M^-1 C_K^T (Skyformer §4.2, eval landmarks) times v: ``attend`` in
+        eval mode (the exact kernel it approximates is Kernelized's reference)."""
+        return ops.skyformer_kernel_matrix(q, k, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
+                                           mode=self.landmark_mode, exact_inverse=self.exact_inverse,
+                                           training=False).to(v.dtype) @ v
 
     @torch.no_grad()
     def kernel_rows(self, q, k, key_padding_mask=None, rows=None):
@@ -474,6 +505,12 @@ class LAVOAttention(AttentionBase):
                                         window=self.window, dtype=q.dtype, device=q.device)
         return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window,
                                     key_padding_mask=key_padding_mask)
+
+    def reference(self, q, k, v, key_padding_mask=None):
+        if self.cross:
+            return ops.lavo_cross_attention_reference(q, v, v, self.bases.to(q), key_padding_mask=key_padding_mask)
+        return ops.lavo_attention_reference(q, k, v, self.bases.to(q), self.pos_bias.to(q), window=self.window,
+                                            causal=self.causal, key_padding_mask=key_padding_mask)
 
     @torch.no_grad()
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):

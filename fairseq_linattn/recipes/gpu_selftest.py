@@ -1,9 +1,9 @@
 """GPU self-test: what to run first on a CUDA machine (``bash scripts/gpu_selftest.sh``, ~5 minutes).
 
-1. ops: every attention op of ``fairseq_linattn.ops`` (forward and input gradients; causal and
-   non-causal where defined; padded batch rows, compared on their valid rows) on the GPU in float32,
-   float16 and bfloat16, against its ``*_reference`` twin in float64 on the CPU with the same
-   (rounded) inputs (Skyformer: against itself in float64 on the CPU);
+1. attention: every method of ``fairseq_linattn.methods`` in every role it declares (encoder,
+   causal decoder, cross), its module's ``attend`` (forward and input gradients; padded batch rows,
+   compared on their valid rows) on the GPU in float32, float16 and bfloat16, against the module's
+   ``reference`` (its op's materialised formula) in float64 on the CPU with the same (rounded) inputs;
 2. training: 50 ``--fp16`` updates of the sample recipes (``pretrain_wikitext103.sh`` for every
    encoder attention, ``train_pg19.sh`` for every causal one; ``DEVICE=gpu SAMPLE=1``), each judged
    by the ``loss`` and ``loss_scale`` it wrote to TensorBoard: finite losses and a loss scale that
@@ -29,9 +29,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 # largest relative error (||got - ref|| / ||ref||) accepted per input dtype; the ops compute half inputs
 # in fp32 and round the result, softmax runs SDPA's half-precision kernels
 TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 3e-2}
-LOOSER = {"skyformer": 10.0}  # the Nyström pseudo-inverse amplifies rounding
-ENCODERS = ("softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo")
-DECODERS = ("softmax", "lln", "lln_diag", "lavo")
+# small settings so that blocks, chunks, windows and landmarks all come into play at N = 200
+SMALL = dict(lln_chunk_size=16, lln_diag_block_size=16, skyformer_landmarks=16, lavo_window=8)
 NO_GPU = "gpu_selftest: no CUDA device (torch.cuda.is_available() is False); this self-test needs a GPU"
 
 
@@ -41,58 +40,46 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def op_cases(heads: int, head_dim: int) -> Dict[str, Callable]:
-    """{name: fn(q, k, v, key_padding_mask, extra) -> output}; ``extra`` holds LAVO's bases and bias."""
-    from fairseq_linattn import ops
+def op_cases(heads: int, head_dim: int, seed: int = 0) -> Dict[str, Callable]:
+    """{"method role": fn(q, k, v, key_padding_mask, ref=False) -> output}: the module's ``attend`` on the
+    inputs' device (parameters in float32), or with ``ref`` its ``reference`` on a float64 copy."""
+    import copy
 
-    def pair(op, **kw):
-        return op, kw
+    import torch
+    from fairseq_linattn.methods import METHODS
+    from fairseq_linattn.modules.attention import build_attention
 
-    table = {
-        "softmax": pair(ops.softmax_attention), "softmax causal": pair(ops.softmax_attention, causal=True),
-        "lln": pair(ops.lln_attention), "lln causal": pair(ops.lln_attention, causal=True, chunk_size=16),
-        "lln_diag": pair(ops.lln_diag_attention, block_size=16),
-        "lln_diag causal": pair(ops.lln_diag_attention, block_size=16, causal=True, chunk_size=16),
-        "block_softmax": pair(ops.block_softmax_attention, block_size=16),
-        "block_softmax causal": pair(ops.block_softmax_attention, block_size=16, causal=True),
-        "kernelized": pair(ops.kernelized_attention),
-        "skyformer": pair(ops.skyformer_attention, num_landmarks=16, training=False),
-        "lavo": pair(ops.lavo_attention, window=8, causal=False),
-        "lavo causal": pair(ops.lavo_attention, window=8, causal=True),
-        "lavo_cross": pair(ops.lavo_cross_attention),
-    }
+    torch.manual_seed(seed)
     cases = {}
-    for name, (op, kw) in table.items():
-        method = name.split()[0]
-        # Skyformer's reference is the exact kernelized attention it approximates: the GPU op is checked
-        # against itself in float64 on the CPU (which the CPU tests check against that reference)
-        reference = op if method == "skyformer" else getattr(ops, op.__name__ + "_reference")
+    for name, method in METHODS.items():
+        for role in method.roles:
+            module = build_attention(name, heads * head_dim, heads, causal=role == "decoder", cross=role == "cross",
+                                     config=SMALL).eval()
+            reference = copy.deepcopy(module).double()
+            placed = {}
 
-        def run(q, k, v, mask, extra, ref=False, op=op, reference=reference, kw=kw, method=method):
-            fn = reference if ref else op
-            args = (1.5, 1.5) if method in ("lln", "lln_diag") else ()
-            if method == "lavo":
-                args = (extra["bases"], extra["pos_bias"])
-            elif method == "lavo_cross":
-                args = (extra["bases"],)
-            return fn(q, k, v, *args, key_padding_mask=mask, **kw)
-        cases[name] = run
+            def run(q, k, v, mask, ref=False, module=module, reference=reference, placed=placed):
+                if ref:
+                    return reference.reference(q, k, v, mask)
+                if q.device not in placed:
+                    placed[q.device] = copy.deepcopy(module).to(q.device)
+                m = placed[q.device]
+                return m.attend(q, k if m.uses_keys else None, v, mask)
+            run.rounding_gain = module.rounding_gain
+            cases[f"{name} {role}"] = run
     return cases
 
 
 def check_ops(device: str, dtypes=DTYPES, batch: int = 2, heads: int = 3, n: int = 200, head_dim: int = 32,
               seed: int = 0, cases: Optional[Dict[str, Callable]] = None) -> List[dict]:
-    """Every op on ``device`` in each dtype against its reference in float64 on the CPU: one row per (op, dtype)."""
+    """Every case on ``device`` in each dtype against its reference in float64 on the CPU: one row per (case, dtype)."""
     import torch
-    from fairseq_linattn import ops
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     gen = torch.Generator().manual_seed(seed)
     cases = cases or op_cases(heads, head_dim)
     mask = torch.zeros(batch, n, dtype=torch.bool)
     mask[1:, n - 37:] = True  # the other rows padded at the end
-    extra = {"bases": ops.lavo_init_bases(heads, head_dim, head_dim, dtype=torch.float64),
-             "pos_bias": 0.3 * torch.ones(heads, 2 * 8 - 1, dtype=torch.float64).cumsum(-1).sin()}
     rows = []
     for name, run in cases.items():
         for dtype_name in dtypes:
@@ -102,13 +89,12 @@ def check_ops(device: str, dtypes=DTYPES, batch: int = 2, heads: int = 3, n: int
             row = {"op": name, "dtype": dtype_name, "ok": False, "error": None}
             try:
                 ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-                want = run(*ref_in, mask, extra, ref=True)
+                want = run(*ref_in, mask, ref=True)
                 want_grads = torch.autograd.grad(want, ref_in, cot.double(), allow_unused=True)
                 dev_in = [t.to(device).requires_grad_() for t in (q, k, v)]
-                dev_extra = {key: t.to(device=device, dtype=torch.float32) for key, t in extra.items()}
-                got = run(*dev_in, mask.to(device), dev_extra)
+                got = run(*dev_in, mask.to(device))
                 got_grads = torch.autograd.grad(got, dev_in, cot.to(device=device, dtype=got.dtype), allow_unused=True)
-                tol = TOLERANCE[dtype_name] * LOOSER.get(name.split()[0], 1.0)
+                tol = TOLERANCE[dtype_name] * getattr(run, "rounding_gain", 1.0)
                 row["out_err"] = rel_err(got.cpu().transpose(1, 2)[~mask], want.transpose(1, 2)[~mask])
                 row["grad_err"] = max((rel_err(g.cpu(), w) for g, w in zip(got_grads, want_grads) if w is not None),
                                       default=0.0)
@@ -237,8 +223,10 @@ def main(argv=None) -> int:
             print(f"[ops] {r['op']:<22} {r['dtype']:<9} out {_fmt(r.get('out_err'))} grad {_fmt(r.get('grad_err'))} "
                   f"(tol {_fmt(r.get('tol'), '.0e')}) {'ok' if r['ok'] else 'FAIL ' + (r['error'] or '')}", flush=True)
     if "train" in args.parts:
+        from fairseq_linattn.methods import methods_for
+
         parts["fp16 training"] = []
-        for kind, names in (("encoder", ENCODERS), ("lm", DECODERS)):
+        for kind, names in (("encoder", methods_for("encoder")), ("lm", methods_for("decoder"))):
             for name in names:
                 r = run_training(kind, name, args.work, args.updates, args.min_loss_scale)
                 parts["fp16 training"].append(r)
