@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_linattn.reproduce import claims, common, ledger, lln_distribution, quickstart, skyformer_error
+from fairseq_linattn.reproduce import claims, common, decoding, ledger, lln_distribution, quickstart, skyformer_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,3 +266,10 @@ def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
         assert math.isfinite(record["wall_s"])
     text = ledger_path.read_text()
     assert "## Notes per claim" in text and "lavo-table10-trend" in text
+
+
+def test_the_decoding_vocabulary_is_gpt2_s_scaled_to_the_measured_layers():
+    from fairseq_linattn.benchmark import fairseq_models
+
+    assert decoding.DEFAULTS["vocab"] == round(fairseq_models.GPT2_VOCAB * 2 / decoding.FULL_LAYERS / 8) * 8
+    assert decoding.DEFAULTS["layers"] == 2

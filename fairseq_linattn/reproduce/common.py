@@ -13,12 +13,23 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "docs" / "reproduction"
+SETTINGS = ROOT / "configs" / "reproduce.yaml"
+
+
+def settings(group: str) -> Tuple[Dict, Optional[Dict]]:
+    """(full, quick) keyword arguments of a group's ``measure`` from configs/reproduce.yaml (lists as tuples)."""
+    import yaml
+
+    with open(SETTINGS) as f:
+        entry = yaml.safe_load(f)[group]
+    as_tuples = lambda d: None if d is None else {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return as_tuples(entry["full"]), as_tuples(entry.get("quick"))
 LEDGER = ROOT / "docs" / "reproduction.md"
 GROUPS = ("lln_distribution", "lln_cost", "quickstart", "skyformer_error", "decoding")
 

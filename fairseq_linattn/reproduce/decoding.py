@@ -27,14 +27,10 @@ from typing import Dict, Sequence
 import torch
 
 from ..benchmark import fairseq_models
-from .common import torch_threads
+from .common import settings, torch_threads
 
-METHODS = ("softmax", "lln", "lavo")
-FULL_LAYERS = 12  # the paper's GPT-2 backbone
-DEFAULTS = dict(lengths=(2048, 4096, 8192), methods=METHODS, arch="linattn_lm_gpt", layers=2,
-                vocab=round(fairseq_models.GPT2_VOCAB * 2 / FULL_LAYERS / 8) * 8, threads=1, model_args=())
-QUICK = dict(lengths=(16, 32), methods=METHODS, arch="linattn_lm_tiny", layers=2, vocab=104, threads=1,
-             model_args=("--lln-chunk-size", "8", "--lavo-window", "8"))
+FULL_LAYERS = 12  # the paper's GPT-2 backbone: configs/reproduce.yaml's vocab is GPT2_VOCAB * 2 / FULL_LAYERS
+DEFAULTS, QUICK = settings("decoding")
 
 
 def _state_bytes(state: dict) -> int:

@@ -23,17 +23,17 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from .common import ROOT, RESULTS_DIR
+from .common import ROOT, RESULTS_DIR, settings
 
 BENCHMARK_SCRIPT = ROOT / "scripts" / "benchmark_model.py"
 MODEL_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DROPOUT_JSON = ROOT / "docs" / "benchmarks" / "model_attention_dropout.json"
 RAW_JSON = RESULTS_DIR / "roberta_update_attention_dropout.json"
-DEFAULTS = dict(sizes=(512, 768, 1024, 1280), methods=("softmax", "lln", "lln_diag"))
+DEFAULTS, _ = settings("lln_cost")
 
 
 def benchmark_command(sizes: Sequence[int], out: Path, plot: Path, quick: bool = False) -> List[str]:
-    cmd = [sys.executable, str(BENCHMARK_SCRIPT), "--parts", "train", "--train-methods", "softmax", "lln", "lln_diag",
+    cmd = [sys.executable, str(BENCHMARK_SCRIPT), "--parts", "train", "--train-methods", *DEFAULTS["methods"],
            "--attention-dropout", "0.1", "--train-sizes", *map(str, sizes), "--train-repeats", "2",
            "--min-repeats", "2", "--threads", "1", "--json", str(out), "--plot", str(plot)]
     return cmd + (["--quick"] if quick else [])

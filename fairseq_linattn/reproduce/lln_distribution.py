@@ -21,14 +21,12 @@ from typing import Dict, Sequence
 import torch
 
 from ..analysis.concentration import entropy, log_moments, spectral_gap
-from .common import torch_threads
+from .common import settings, torch_threads
 from ..ops import lln_attention_weights, softmax_attention_weights
 from ..ops.moment_matching import PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants, lln_alpha_beta
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_fit", "lln_exact")
-DEFAULTS = dict(head_dims=(32, 64, 128), seq_len=512, variances=(0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0),
-                num_matrices=4, fit_range=(1.0, 4.0), seed=0, threads=1)
-QUICK = dict(head_dims=(16,), seq_len=32, variances=(0.5, 1.0), num_matrices=2, fit_range=(1.0, 4.0), seed=0, threads=1)
+DEFAULTS, QUICK = settings("lln_distribution")
 
 
 def _alpha_beta(method: str, sigma: float, constants: Dict[str, float], head_dim: int, seq_len: int):

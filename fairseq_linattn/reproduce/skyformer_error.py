@@ -18,12 +18,10 @@ from typing import Dict, Sequence
 import torch
 
 from ..ops import kernelized_attention, skyformer_attention
-from .common import torch_threads
+from .common import settings, torch_threads
 
 INPUTS = ("gaussian", "low_rank")
-DEFAULTS = dict(seq_lens=(512, 1024, 2048, 4096), landmarks=(16, 32, 64, 128, 256), head_dim=64, heads=4,
-                draws=2, seed=0, threads=1)
-QUICK = dict(seq_lens=(64, 128), landmarks=(8, 32), head_dim=16, heads=2, draws=1, seed=0, threads=1)
+DEFAULTS, QUICK = settings("skyformer_error")
 
 
 def _qkv(kind: str, n: int, heads: int, head_dim: int, gen: torch.Generator):
