@@ -116,7 +116,7 @@ def test_row_functions_reject_bad_arguments():
 
 def _module(method, causal, gen, **opts):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    module = build_attention(method, E, H, causal=causal, opts={"lln_chunk_size": 8, "lln_diag_block_size": 5, **opts})
+    module = build_attention(method, E, H, causal=causal, config={"lln_chunk_size": 8, "lln_diag_block_size": 5, **opts})
     return module.double().eval()
 
 

@@ -203,16 +203,23 @@ def _decode_masks(n):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("w,n", [(4, 13), (3, 9), (1, 5), (8, 11)])
-def test_lavo_decode_steps_with_padding_equal_padded_causal_forward(dtype, tol, w, n):
+def test_lavo_decode_steps_with_padding_equal_causal_forward_over_real_tokens(dtype, tol, w, n):
     """Each step gets its (B, 1) padding mask (None when the step has none, as fairseq's decoder passes
-    it); padded tokens (huge values) never enter a window or the memory: real outputs match."""
+    it); padded tokens (huge values) enter no window and no memory and count no position: the real outputs
+    are those of each row's real tokens alone (here: moved to the front, padding at the end)."""
     r = 5
     q, k, v, bases, pos_bias = _inputs(n, w, r, dtype=dtype, b=3)
     mask = _decode_masks(n)
+    assert (mask[:, :-1] & ~mask[:, 1:]).any()  # some padding before real tokens
     k, v = (x.masked_fill(mask[:, None, :, None], 1e3) for x in (k, v))
-    full = lavo_attention(q, k, v, bases, pos_bias, window=w, causal=True, key_padding_mask=mask)
-    ref = lavo_attention_reference(q.double(), k.double(), v.double(), bases.double(), pos_bias.double(),
-                                   window=w, causal=True, key_padding_mask=mask)
+    order = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices
+    tok = lambda x, o: x.gather(2, o[:, None, :, None].expand_as(x))
+    first = [tok(x, order) for x in (q, k, v)]
+    back = order.argsort(1)
+    full = tok(lavo_attention(*first, bases, pos_bias, window=w, causal=True,
+                              key_padding_mask=mask.gather(1, order)), back)
+    ref = tok(lavo_attention_reference(*(x.double() for x in first), bases.double(), pos_bias.double(), window=w,
+                                       causal=True, key_padding_mask=mask.gather(1, order)), back)
     state = lavo_init_state(3, H, D, r, window=w, dtype=dtype)
     steps = []
     for t in range(n):

@@ -115,8 +115,15 @@ def test_lavo_token_mixing_and_channel_projection_give_the_output(causal, side, 
     x, pad = inputs(gen, side)
     q, k = projected_qk(module, x)
     v = values(module, x)
-    local, memory, has_memory = lavo_token_mixing(q, k, module.pos_bias, window=module.window, causal=causal,
-                                                  key_padding_mask=pad)
+    # the module counts positions over real tokens: it reads each row with its real tokens first
+    order = torch.sort(pad.to(torch.uint8), dim=1, stable=True).indices
+    back = order.argsort(1)
+    tok = lambda t, o: t.gather(2, o[:, None, :, None].expand_as(t))
+    local, memory, has_memory = lavo_token_mixing(tok(q, order), tok(k, order), module.pos_bias, window=module.window,
+                                                  causal=causal, key_padding_mask=pad.gather(1, order))
+    local, memory = (m.gather(2, back[:, None, :, None].expand_as(m)) for m in (local, memory))
+    local, memory = (m.gather(3, back[:, None, None, :].expand_as(m)) for m in (local, memory))
+    has_memory = has_memory.gather(1, back)
     # global part: Pi_t (m_t V), Pi_t = sum_i p_ti B_i B_i^T, p_t = softmax_i(q_t·(H_ti B_i)/sqrt(D)), H_t = B m_t V
     read = memory @ v  # (B, H, T, D)
     code = torch.einsum("bhtd,hrd->bhtr", read, module.bases)

@@ -1,4 +1,5 @@
-"""Encoder LLN modules with batch moment matching: padding changes no real token's output."""
+"""Padding changes no real token's output: encoder LLN modules with batch moment matching, and the methods whose
+blocks or windows count positions (LLN+Diag, LAVO), left padding included."""
 import pytest
 import torch
 
@@ -21,15 +22,9 @@ def padded(x, left, right, fill):
     return torch.cat([pads[0], x, pads[1]]), mask
 
 
-BLOCK_SHIFT = pytest.mark.xfail(strict=True, reason="LLN+Diag's diagonal blocks are counted from position 0, "
-                                                   "so left padding that is not a multiple of the block size "
-                                                   "regroups the real tokens")
-
-
 @pytest.mark.parametrize("method, left, right", [
     ("lln", 5, 0), ("lln", 0, 7), ("lln", 3, 4),
-    ("lln_diag", 8, 0), ("lln_diag", 0, 7), ("lln_diag", 4, 3),  # left padding in whole blocks of 4
-    pytest.param("lln_diag", 5, 0, marks=BLOCK_SHIFT),
+    ("lln_diag", 8, 0), ("lln_diag", 0, 7), ("lln_diag", 4, 3), ("lln_diag", 5, 0), ("lln_diag", 3, 2),
 ])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("training", [True, False])
@@ -62,3 +57,41 @@ def test_padding_of_one_sequence_leaves_the_batch_statistics_and_outputs_alone(m
     for out, alpha in zip(outs[1:], alphas[1:]):
         torch.testing.assert_close(alpha, alphas[0], rtol=1e-12, atol=0)
         torch.testing.assert_close(out[real], outs[0][real], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left, right", [(5, 0), (3, 2), (0, 6)])
+@pytest.mark.parametrize("method", ["lavo", "lln_diag"])
+def test_windows_and_blocks_count_real_tokens(method, left, right, causal, gen):
+    # window 4 / block 4 and 5 or 3 padded tokens in front: counted by position, the windows would regroup
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    module = build_attention(method, E, H, causal=causal, config={"lavo_window": 4, "lln_diag_block_size": 4,
+                                                                  "lln_stats": "ema"}).double().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    x = torch.randn(N, 1, E, generator=gen, dtype=torch.float64)
+    alone, _ = module(x, x, x)
+    xp, mask = padded(x, left, right, 3.0)
+    out, _ = module(xp, xp, xp, key_padding_mask=mask)
+    torch.testing.assert_close(out[left:left + N], alone, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("left, right", [(5, 0), (3, 2)])
+@pytest.mark.parametrize("method", ["lavo", "lln_diag"])
+def test_decoding_a_padded_sequence_counts_real_tokens_too(method, left, right, gen):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    module = build_attention(method, E, H, causal=True, config={"lavo_window": 4, "lln_diag_block_size": 4}
+                             ).double().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    x = torch.randn(N, 1, E, generator=gen, dtype=torch.float64)
+    alone, _ = module(x, x, x)
+    xp, mask = padded(x, left, right, 3.0)
+    state, outs = {}, []
+    for t in range(xp.shape[0]):  # fairseq's decoder: one token per step, its (B, 1) padding mask
+        out, _ = module(xp[t:t + 1], xp[t:t + 1], xp[t:t + 1], key_padding_mask=mask[:, t:t + 1],
+                        incremental_state=state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs)[left:left + N], alone, rtol=1e-9, atol=1e-12)

@@ -5,6 +5,7 @@ checkpoint loads into any variant), reshapes fairseq's time-first (T, B, C) to t
 calls its op, and keeps an O(1)-or-O(window) incremental state for decoding. Causality is fixed at
 construction (decoder self-attention), never inferred from a mask.
 """
+import functools
 import logging
 import math
 from typing import Dict, Mapping, Optional, Tuple, Union
@@ -24,6 +25,52 @@ from .moment_matcher import MomentMatcher
 
 State = Dict[str, Optional[Tensor]]
 logger = logging.getLogger(__name__)
+
+
+def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """(B, N) order putting each row's real tokens first (in their order), or None if they already are."""
+    if key_padding_mask is None or not bool((key_padding_mask[:, :-1] & ~key_padding_mask[:, 1:]).any()):
+        return None
+    return torch.sort(key_padding_mask.to(torch.uint8), dim=1, stable=True).indices
+
+
+def _tokens(x: Optional[Tensor], order: Tensor, dim: int = 2) -> Optional[Tensor]:
+    """x with its tokens (along ``dim``, batch on dim 0) in ``order`` (B, N)."""
+    if x is None:
+        return None
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = order.shape[1]
+    return x.gather(dim, order.view(shape).expand(*x.shape[:dim], order.shape[1], *x.shape[dim + 1:]))
+
+
+def over_real_tokens(fn):
+    """For a method whose blocks or windows count positions: ``fn(self, q, k, v, key_padding_mask, ...)`` runs
+    with each row's real tokens first, so that padding anywhere (left padding too) changes no real token's
+    output and real tokens are counted as fairseq counts their positions (docs/design.md §1.2)."""
+    @functools.wraps(fn)
+    def run(self, q, k, v, key_padding_mask=None, *args, **kwargs):
+        order = None if self.cross else _real_first_order(key_padding_mask)
+        if order is None:
+            return fn(self, q, k, v, key_padding_mask, *args, **kwargs)
+        out = fn(self, _tokens(q, order), _tokens(k, order), _tokens(v, order), _tokens(key_padding_mask, order, 1),
+                 *args, **kwargs)
+        return _tokens(out, order.argsort(1))
+    return run
+
+
+def rows_over_real_tokens(fn):
+    """``over_real_tokens`` for ``attention_rows(self, q, k, key_padding_mask, rows, lln)``: the matrix of the
+    reordered tokens, put back in the tokens' own order (rows and columns)."""
+    @functools.wraps(fn)
+    def run(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        order = None if self.cross else _real_first_order(key_padding_mask)
+        if order is None:
+            return fn(self, q, k, key_padding_mask, rows, lln)
+        p = fn(self, _tokens(q, order), _tokens(k, order), _tokens(key_padding_mask, order, 1), None, lln)
+        back = order.argsort(1)
+        p = _tokens(_tokens(p, back, 2), back, 3)
+        return p[:, :, ops.select_rows(rows, q.shape[2], q.device)]
+    return run
 
 
 @with_incremental_state
@@ -361,6 +408,7 @@ class LLNDiagAttention(LLNAttention):
         self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
         self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
 
+    @over_real_tokens
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         lln = self.lln(q, k, v, key_padding_mask)
         diag = ops.block_softmax_attention(q, k, v, block_size=self.block_size, causal=self.causal,
@@ -368,20 +416,27 @@ class LLNDiagAttention(LLNAttention):
         return mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
 
     def step(self, q, k, v, key_padding_mask, state):
+        """Softmax over the keys of the token's block, counted over the row's real tokens (as ``attend``): the
+        buffer keeps the keys, values, padding and block index of the tokens a later token may still read."""
+        b = q.shape[0]
+        pad = torch.zeros(b, 1, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         pos = state.get("position")
-        pos = torch.zeros(q.shape[0], dtype=torch.long, device=q.device) if pos is None else pos
+        pos = torch.zeros(b, dtype=torch.long, device=q.device) if pos is None else pos  # real tokens so far
         lln, state = self.lln_step(q, k, v, key_padding_mask, state)
-        start = bool((pos % self.block_size == 0).all())  # every row is at the same position
-        bk = k if start else torch.cat([state["block_key"], k], 2)
-        bv = v if start else torch.cat([state["block_value"], v], 2)
-        pad = torch.zeros(q.shape[0], 1, dtype=torch.bool, device=q.device) if key_padding_mask is None \
-            else key_padding_mask
-        bpad = pad if start else torch.cat([state["block_key_padding_mask"], pad], 1)
-        diag = ops.softmax_attention(q, bk, bv, key_padding_mask=bpad)
+        block = (pos // self.block_size)[:, None]  # (B, 1): this token's block (LLN §4.2)
+        bk, bv, bpad, bid = k, v, pad, block
+        if "block_key" in state:
+            bk, bv = torch.cat([state["block_key"], k], 2), torch.cat([state["block_value"], v], 2)
+            bpad, bid = torch.cat([state["block_key_padding_mask"], pad], 1), torch.cat([state["block_id"], block], 1)
+        diag = ops.softmax_attention(q, bk, bv, key_padding_mask=bpad | (bid != block))
         out = mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
-        return out, {**state, "block_key": bk, "block_value": bv, "block_key_padding_mask": bpad,
-                     "position": pos + 1}
+        pos = pos + (~pad[:, 0]).long()
+        alive = ~bpad & (bid == (pos // self.block_size)[:, None])  # keys the row's next token can read
+        first = int(alive.any(0).long().argmax()) if bool(alive.any()) else bk.shape[2]  # older ones: no row's
+        return out, {**state, "block_key": bk[:, :, first:], "block_value": bv[:, :, first:],
+                     "block_key_padding_mask": bpad[:, first:], "block_id": bid[:, first:], "position": pos}
 
+    @over_real_tokens
     def reference(self, q, k, v, key_padding_mask=None):
         alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)
         return ops.lln_diag_attention_reference(q, k, v, alpha.to(q), beta.to(q), block_size=self.block_size,
@@ -389,6 +444,7 @@ class LLNDiagAttention(LLNAttention):
                                                 r=self.mix_r, p=self.mix_p)
 
     @torch.no_grad()
+    @rows_over_real_tokens
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """``ops.lln_diag_attention_weights`` (LLN §4.2): 0.5 P_lln + 0.5 P_diag for mix ``average``, exact;
         the head's mean mix weights for the learnable mixes (exact when constant over a head's channels)."""
@@ -485,6 +541,7 @@ class LAVOAttention(AttentionBase):
                                   requires_grad=not self.config.lavo_freeze_bases)
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
 
+    @over_real_tokens
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         if self.cross:
             return self.attend_source(q, self.source_state(v, key_padding_mask))
@@ -506,6 +563,7 @@ class LAVOAttention(AttentionBase):
         return ops.lavo_decode_step(q, k, v, self.bases, self.pos_bias, state, window=self.window,
                                     key_padding_mask=key_padding_mask)
 
+    @over_real_tokens
     def reference(self, q, k, v, key_padding_mask=None):
         if self.cross:
             return ops.lavo_cross_attention_reference(q, v, v, self.bases.to(q), key_padding_mask=key_padding_mask)
@@ -513,6 +571,7 @@ class LAVOAttention(AttentionBase):
                                             causal=self.causal, key_padding_mask=key_padding_mask)
 
     @torch.no_grad()
+    @rows_over_real_tokens
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """Self-attention's token mixing P_t = 0.5 (A_t + m_t) (``ops.lavo_token_mixing``, LAVO eq. 3): exact over
         tokens, but P V is not the output, whose memory read-out also projects the values per query."""

@@ -404,7 +404,7 @@ def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: i
     - ``mem_sum`` (B,H,r), ``mem_count`` (B,): sum of B x_t over the real tokens of completed windows
       and their number
     - ``window_sum`` (B,H,r), ``window_count`` (B,): the same over the current window's real tokens so far
-    - ``position`` (B,) long: index t of the next token (padding counts: windows are by position)
+    - ``position`` (B,) long: index t of the next real token (padded tokens are skipped)
     Every tensor has the batch on dim 0, so beam reordering is
     ``{name: t.index_select(0, new_order) for name, t in state.items()}``.
     """
@@ -431,8 +431,9 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
     """One causal LAVO token: q_t, k_t, v_t (B,H,1,D) -> (out (B,H,1,D), new_state); O(w D + r D).
 
     ``key_padding_mask`` (B,1), True where this token is padding (None: all real): a padded token
-    enters neither a later window nor the memory. Equals ``lavo_attention(..., causal=True,
-    key_padding_mask=...)`` at position ``state["position"]`` on real tokens.
+    leaves its row's state as it was (it enters no window and no memory, and counts no position), so
+    real tokens count positions among themselves. Equals ``lavo_attention(..., causal=True)`` at
+    position ``state["position"]`` of the row's real tokens alone.
     """
     w, key_padding_mask = _check_lavo(q_t, k_t, v_t, bases, pos_bias, window, key_padding_mask)
     b, h, n, d = q_t.shape
@@ -456,9 +457,8 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
     glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(d))
     out = torch.where((mem_count > 0)[:, None, None, None], 0.5 * (x + glob), x)
 
-    real = (~pad[:, 0]).to(ct)  # a padded token's x_t stays out of the memory (LAVO eq. 3 over real tokens)
-    window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_) * real[:, None, None]
-    window_count = state["window_count"] + real
+    window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_)  # LAVO eq. 3
+    window_count = state["window_count"] + 1
     ends = (pos + 1) % w == 0  # this token completes its window: fold it into memory
     new_state = {
         "prev_key": keys[:, :, 1:],
@@ -470,4 +470,6 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
         "window_count": torch.where(ends, torch.zeros_like(window_count), window_count),
         "position": pos + 1,
     }
+    kept = pad[:, 0]  # a padded token: the row's state stays as it was
+    new_state = {name: torch.where(kept.view(-1, *[1] * (t.dim() - 1)), state[name], t) for name, t in new_state.items()}
     return out.to(q_t.dtype), new_state
