@@ -8,12 +8,13 @@ from fairseq.data import Dictionary
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import rel_err
+from fairseq_linattn.methods import methods_for
 from fairseq_data import USER_DIR
 
 # small windows, blocks and chunks so that 16 tokens cross several; LLN's alpha != beta
 METHOD_ARGS = ["--lln-chunk-size", "4", "--lln-diag-block-size", "4", "--lavo-window", "4",
                "--lln-diag-mix", "learnable_scale", "--lln-stats-per-head"]
-CAUSAL = ["softmax", "lln", "lln_diag", "lavo"]
+CAUSAL = methods_for("decoder")
 
 
 def write_dicts(root, names) -> None:

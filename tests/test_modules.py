@@ -3,6 +3,7 @@ import pytest
 import torch
 from fairseq.modules import MultiheadAttention
 
+from fairseq_linattn.methods import METHODS, methods_for
 from fairseq_linattn.modules import build_attention
 from conftest import rel_err
 
@@ -45,7 +46,7 @@ def test_softmax_module_equals_fairseq_multihead_attention_incremental_decoder(g
 OPTS = {"lln_chunk_size": 4, "lln_diag_block_size": 3, "lavo_window": 3, "lln_diag_mix": "learnable_scale"}
 
 
-@pytest.mark.parametrize("method", ["softmax", "lln", "lln_diag", "lavo"])
+@pytest.mark.parametrize("method", methods_for("decoder"))
 def test_incremental_decoding_equals_full_forward(gen, method):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # fresh weights too
     m = build_attention(method, E, H, causal=True, config=OPTS).eval()
@@ -57,7 +58,7 @@ def test_incremental_decoding_equals_full_forward(gen, method):
     assert rel_err(torch.cat(outs), full) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["lln", "lln_diag", "lavo", "softmax"])
+@pytest.mark.parametrize("method", methods_for("decoder"))
 def test_reorder_incremental_state_follows_beams(gen, method):
     m = build_attention(method, E, H, causal=True, config=OPTS).eval()
     x = torch.randn(5, 3, E, generator=gen)
@@ -72,13 +73,13 @@ def test_reorder_incremental_state_follows_beams(gen, method):
     torch.testing.assert_close(out_a, out_b)
 
 
-@pytest.mark.parametrize("method", ["skyformer", "kernelized"])
+@pytest.mark.parametrize("method", sorted(set(METHODS) - set(methods_for("decoder"))))
 def test_non_causal_methods_refuse_to_be_causal(method):
     with pytest.raises(ValueError, match="non-causal"):
         build_attention(method, E, H, causal=True)
 
 
-@pytest.mark.parametrize("method", ["softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo"])
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_modules_run_in_half_precision(gen, method, dtype):
     m = build_attention(method, E, H, causal=False, config={"skyformer_landmarks": 8}).to(dtype)
@@ -180,7 +181,7 @@ def test_padded_incremental_decoding_equals_full_forward(gen, method, opts_name)
     assert rel_err(decode(m, x, mask)[real], full[real]) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["softmax", "lln", "lln_diag", "lavo"])
+@pytest.mark.parametrize("method", methods_for("decoder"))
 def test_beam_reordering_after_a_padded_prefix_equals_full_forward(gen, method):
     """Reorder (and expand, as beam search does) the state mid-decode: the padding masks in it follow."""
     m = padded_decoder_module(method, "lln_ema" if method != "softmax" else "lln_fixed", gen)
@@ -195,7 +196,7 @@ def test_beam_reordering_after_a_padded_prefix_equals_full_forward(gen, method):
 
 
 # -- attn_mask: the future mask is what a causal module does anyway; anything else is refused or applied --
-@pytest.mark.parametrize("method", ["lln", "lln_diag", "lavo", "softmax"])
+@pytest.mark.parametrize("method", methods_for("decoder"))
 def test_causal_module_accepts_the_future_mask_float_or_bool(gen, method):
     m = build_attention(method, E, H, causal=True, config=OPTS).eval()
     x = torch.randn(9, 2, E, generator=gen)
@@ -267,8 +268,7 @@ def test_lavo_cross_attention_reads_its_source_once_while_decoding(gen):
     assert rel_err(torch.cat(outs[:3]), full[:3, [2, 1, 0]]) < 1e-5
 
 
-@pytest.mark.parametrize("method,kw", [(m, {}) for m in ("softmax", "lln", "lln_diag", "skyformer", "kernelized",
-                                                          "lavo")] + [("lavo", {"cross": True})])
+@pytest.mark.parametrize("method,kw", [(m, {}) for m in METHODS] + [(m, {"cross": True}) for m in methods_for("cross")])
 def test_every_trainable_parameter_gets_a_gradient(gen, method, kw):
     """DDP's default (find_unused_parameters=False) fails on a trainable parameter that gets no gradient."""
     opts = {**OPTS, "lln_diag_mix": "learnable_scale", "skyformer_landmarks": 4}
