@@ -6,7 +6,7 @@ modules' typed options (``AttentionConfig``), the recipe scripts' check
 (``python -m fairseq_linattn.methods check``), the benchmarks and the README's options table
 (docs/design.md §9 says how to add a method). Pure Python: no torch, no fairseq.
 
-    python -m fairseq_linattn.methods check --role encoder|decoder|cross SPEC   # exit 2 on a bad type
+    python -m fairseq_linattn.methods check --role encoder|decoder|cross TYPES  # exit 2 on a bad type
     python -m fairseq_linattn.methods list [--role ROLE]                        # one name per line
     python -m fairseq_linattn.methods options-table                              # the README's table
 """
@@ -305,17 +305,17 @@ def options_table() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fairseq_linattn.methods", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="exit 2 with a message unless SPEC is a valid attention type for ROLE")
+    check = sub.add_parser("check", help="exit 2 with a message unless TYPES is a valid attention type (or comma list) for ROLE")
     check.add_argument("--role", choices=ROLES, required=True)
-    check.add_argument("spec", help="a method name, or a comma list with one type per layer")
+    check.add_argument("types", help="a method name, or a comma list with one type per layer")
     listing = sub.add_parser("list", help="the methods, one per line")
     listing.add_argument("--role", choices=ROLES)
     sub.add_parser("options-table", help="the README's options table")
     args = parser.parse_args(argv)
     if args.command == "check":
-        types = [t.strip() for t in args.spec.split(",")]
+        types = [t.strip() for t in args.types.split(",")]
         try:
-            layer_types(args.spec, len(types), args.role)
+            layer_types(args.types, len(types), args.role)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -73,7 +73,7 @@ recipe_cli() {
   REST=("${@:${#names[@]}+1}")
 }
 
-# check_attention ROLE SPEC: SPEC is an attention type (or a comma list, one per layer) the plugin
+# check_attention ROLE TYPES: TYPES is an attention type (or a comma list, one per layer) the plugin
 # takes for ROLE (encoder, decoder or cross), as its registry says (`python -m fairseq_linattn.methods
 # check`); otherwise the registry's message (naming the option and the allowed values) and exit 2.
 # Pretraining and GLUE check encoder types, the PG-19 LM decoder types.
