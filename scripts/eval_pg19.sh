@@ -14,7 +14,8 @@ max_target_positions. Prints the table (context, loss in bits per token, token-l
 word-level perplexity 2^(loss x tokens / words) with the words of the raw split that
 prepare_pg19 wrote beside the data, nan without it) and writes it to OUT/extrapolation.tsv
 [OUT: the checkpoint's directory]. The printed table adds LAVO Table 2's perplexity at the same
-ratio to the first context ("paper ppl"; softmax: the FlashAttention row, lavo: LAVO, others: —).
+ratio to the first context ("paper ppl": the paper's row for the attention, softmax's is FlashAttention;
+— where the paper has none).
 Environment: CONTEXTS ["the config's"], SUBSET [test], CONTEXT_WINDOW [0], DEVICE, SAMPLE, FP16, DATA
 (as for the training scripts), ATTN [the checkpoint's decoder attention type] for the paper column.
 ABOUT

@@ -11,11 +11,11 @@ Usage: bash scripts/gpu_selftest.sh [--parts ops train bench] [--work DIR] [--up
                                     [--min-loss-scale 1] [--bench-size 4096]
 
 About 5 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose it); the .venv must hold a CUDA torch.
-  1. ops: every attention op (forward and gradients, causal and not, padded rows) in float32,
+  1. ops: every attention method in every role (forward and gradients, padded rows) in float32,
      float16 and bfloat16 on the GPU against its float64 reference on the CPU (~1 min);
-  2. train: 50 --fp16 updates of each sample recipe on the GPU (pretrain_wikitext103.sh for
-     softmax, lln, lln_diag, skyformer, kernelized, lavo; train_pg19.sh for softmax, lln, lln_diag,
-     lavo), judged from TensorBoard: finite loss, loss_scale never below --min-loss-scale (~3 min);
+  2. train: 50 --fp16 updates of each sample recipe on the GPU (pretrain_wikitext103.sh for every
+     encoder type, train_pg19.sh for every causal one: python -m fairseq_linattn.methods list),
+     judged from TensorBoard: finite loss, loss_scale never below --min-loss-scale (~3 min);
   3. bench: scripts/benchmark_attention.py --device cuda --sizes 4096 (CUDA-event timing, ~1 min);
   4. one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".
 Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once). Logs, TensorBoard and

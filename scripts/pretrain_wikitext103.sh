@@ -7,8 +7,8 @@ RECIPE_ARGS="ATTN"
 about() {
   cat <<ABOUT
 Pretrain linattn_roberta_base (fairseq's RoBERTa-base recipe: 512 tokens, 2048 sequences per
-update, lr 5e-4, 10k warmup, 125k updates) with --encoder-attention-type ATTN
-(softmax, lln, lln_diag, skyformer, kernelized; or a comma list, one per layer).
+update, lr 5e-4, 10k warmup, 125k updates) with --encoder-attention-type ATTN (an encoder type:
+python -m fairseq_linattn.methods list --role encoder; or a comma list, one per layer).
 Data: python -m fairseq_linattn.recipes.prepare_wikitext103 --out data-bin/wikitext-103
 Checkpoints: OUT [checkpoints/pretrain_wikitext103/ATTN].
 
@@ -16,7 +16,7 @@ $KNOBS_HELP
 
 Examples:
   GPUS_PER_NODE=8 scripts/pretrain_wikitext103.sh lln
-  DEVICE=cpu SAMPLE=1 scripts/pretrain_wikitext103.sh lln_diag      # a few CPU updates on data/
+  DEVICE=cpu SAMPLE=1 scripts/pretrain_wikitext103.sh softmax,lln   # a few CPU updates on data/
 ABOUT
 }
 recipe_cli "$@"

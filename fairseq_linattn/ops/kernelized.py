@@ -10,8 +10,8 @@ from torch import Tensor
 from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
                       select_rows)
 
-_NON_CAUSAL_HELP = ("causal=True is not supported: use lln, lln_diag, lavo or softmax for decoder "
-                    "self-attention")
+_NON_CAUSAL_HELP = ("causal=True is not supported: decoder self-attention needs a causal method "
+                    "(`python -m fairseq_linattn.methods list --role decoder`)")
 
 
 def check_non_causal(method: str, what: str, causal) -> None:

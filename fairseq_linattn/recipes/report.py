@@ -1,7 +1,7 @@
 """Read fairseq training logs; write the GLUE summary and the quick-start's REPORT.md with plots.
 
     python -m fairseq_linattn.recipes.report glue --attention lln checkpoints/glue/*/lln
-    python -m fairseq_linattn.recipes.report pg19 --checkpoint CKPT checkpoints/pg19/lavo/extrapolation.tsv
+    python -m fairseq_linattn.recipes.report pg19 --checkpoint CKPT checkpoints/pg19/ATTN/extrapolation.tsv
     python -m fairseq_linattn.recipes.report quickstart runs/quickstart
 
 Logs are what fairseq-train prints with ``--log-format json`` (the recipe scripts keep it in
