@@ -91,56 +91,58 @@ def _key_shift(k: Tensor, beta: Tensor, mask: Optional[Tensor]) -> Tensor:
     return _finite_or_zero(m * beta)
 
 
-class _LLNNonCausal(torch.autograd.Function):
-    """out = phi_q S / phi_q z with S = sum_j phi_k(k_j) v_j^T, z = sum_j phi_k(k_j) (LLN eq. 8-9).
+def _noncausal_forward(q, k, v, alpha, beta, mask, out):
+    """out = phi_q S / phi_q z with S = sum_j phi_k(k_j) v_j^T, z = sum_j phi_k(k_j) (LLN eq. 8-9), into ``out``.
 
-    q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) in the compute dtype; alpha, beta (B|1,H|1,1,1) constants;
-    mask (B,S) or None. Rows are processed in working-size passes; only S = [sum phi_k v^T, sum phi_k]
-    (B,H,D,Dv+1), the key shift, the denominators (B,H,N,1) and the output are saved: the backward
-    rebuilds phi_q, phi_k (two elementwise passes) instead of keeping them. The shifts cancel exactly
-    between numerator and denominator, so they are constants for the gradient.
+    Returns what the backward needs: the key shift m (B,H,1,D), S = [sum phi_k v^T, sum phi_k]
+    (B,H,D,Dv+1) and the denominators (B,H,N,1). The shifts cancel exactly between numerator and
+    denominator, so they are constants for the gradient.
     """
+    m = _key_shift(k, beta, mask)
+    s = None
+    step = _work_rows(k)
+    for r0 in range(0, k.shape[2], step):
+        fk = _scaled_keys(k, beta, mask, r0, r0 + step).sub_(m).exp_()
+        part = fk.transpose(-1, -2) @ _with_ones(v[:, :, r0:r0 + step])
+        s = part if s is None else s.add_(part)
+    den = q.new_empty(*q.shape[:3], 1)
+    step = _work_rows(q)
+    for r0 in range(0, q.shape[2], step):
+        _noncausal_rows(q, alpha, m, s, r0, r0 + step, den, out[:, :, r0:r0 + step])
+    return m, s, den
 
-    @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mask):
-        b, h, n, _ = q.shape
-        m = _key_shift(k, beta, mask)
-        s = None
-        step = _work_rows(k)
-        for r0 in range(0, k.shape[2], step):
-            fk = _scaled_keys(k, beta, mask, r0, r0 + step).sub_(m).exp_()
-            part = fk.transpose(-1, -2) @ _with_ones(v[:, :, r0:r0 + step])
-            s = part if s is None else s.add_(part)
-        out = q.new_empty(b, h, n, v.shape[-1])
-        den = q.new_empty(b, h, n, 1)
-        step = _work_rows(q)
-        for r0 in range(0, n, step):
-            o = _query_features(q, alpha, m, r0, r0 + step) @ s
-            torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r0 + step])
-            torch.div(o[..., :-1], den[:, :, r0:r0 + step], out=out[:, :, r0:r0 + step])
-        ctx.save_for_backward(q, k, v, alpha, beta, mask, m, s, den, out)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, alpha, beta, mask, m, s, den, out = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ds = None
-        step = _work_rows(q)
-        for r0 in range(0, q.shape[2], step):
-            r1 = r0 + step
-            fq = _query_features(q, alpha, m, r0, r1)
-            go = _output_grad(grad[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1])
-            part = fq.transpose(-1, -2) @ go  # dL/dS
-            ds = part if ds is None else ds.add_(part)
-            torch.mul((go @ s.transpose(-1, -2)).mul_(fq), alpha, out=dq[:, :, r0:r1])
-        step = _work_rows(k)
-        for r0 in range(0, k.shape[2], step):
-            r1 = r0 + step
-            fk = _scaled_keys(k, beta, mask, r0, r1).sub_(m).exp_()
-            torch.mul((_with_ones(v[:, :, r0:r1]) @ ds.transpose(-1, -2)).mul_(fk), beta, out=dk[:, :, r0:r1])
-            torch.matmul(fk, ds[..., :-1], out=dv[:, :, r0:r1])
-        return dq, dk, dv, None, None, None
+def _noncausal_rows(q, alpha, m, s, r0, r1, den, out):
+    """Rows [r0, r1) of the output (and of den unless None); returns their phi_q."""
+    fq = _query_features(q, alpha, m, r0, r1)
+    o = fq @ s
+    if den is not None:
+        torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r1])
+    torch.div(o[..., :-1], den[:, :, r0:r1] if den is not None else o[..., -1:].clamp_min(_TINY), out=out)
+    return fq
+
+
+def _noncausal_backward(q, k, v, alpha, beta, mask, state, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * non-causal LLN (four matmuls per pass), the output rebuilt per pass."""
+    m, s, den = state
+    ds = None
+    step = _work_rows(q)
+    for r0 in range(0, q.shape[2], step):
+        r1 = r0 + step
+        out = q.new_empty(*grad[:, :, r0:r1].shape)
+        fq = _noncausal_rows(q, alpha, m, s, r0, r1, None, out)
+        go = _output_grad(grad[:, :, r0:r1], out, den[:, :, r0:r1])
+        if gscale != 1:
+            go.mul_(gscale)
+        part = fq.transpose(-1, -2) @ go  # dL/dS
+        ds = part if ds is None else ds.add_(part)
+        torch.mul((go @ s.transpose(-1, -2)).mul_(fq), alpha, out=dq[:, :, r0:r1])
+    step = _work_rows(k)
+    for r0 in range(0, k.shape[2], step):
+        r1 = r0 + step
+        fk = _scaled_keys(k, beta, mask, r0, r1).sub_(m).exp_()
+        torch.mul((_with_ones(v[:, :, r0:r1]) @ ds.transpose(-1, -2)).mul_(fk), beta, out=dk[:, :, r0:r1])
+        torch.matmul(fk, ds[..., :-1], out=dv[:, :, r0:r1])
 
 
 def _linear_scan_(x: Tensor, a: Tensor, reverse: bool = False) -> None:
@@ -221,42 +223,62 @@ def _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1):
     return fq, fk, fki, _rows(_with_ones(v[:, :, r0:r1]), c, 0, r1 - r0), g, rho, _intra_scale(g, rho)
 
 
-class _LLNCausal(torch.autograd.Function):
-    """Chunked causal LLN with a hand-written backward; q, k, v (B,H,N,·) in the compute dtype.
+def _causal_forward(q, k, v, alpha, beta, mask, c, out):
+    """Chunked causal LLN into ``out``; returns (state, groups) for ``_causal_backward``.
 
     Inside a chunk: W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (masked C×C product);
     across chunks: the state S_c = sum over chunks < c of phi_k(k_j) [v_j, 1]^T, scanned with the
     rescaling ``decay`` as the key shift grows (online-softmax style). Chunks are processed in groups
-    of working size, the scan carried from group to group. Saves only the states S_c
-    (B,H,nc+1,D,Dv+1), the per-chunk shifts, the denominators and the output; the backward rebuilds
-    every feature and runs the groups in reverse, carrying dL/dS.
+    of working size, the scan carried from group to group. The state kept is S_c (B,H,nc+1,D,Dv+1),
+    the per-chunk shifts and the denominators; the backward rebuilds every feature.
     """
+    b, h, n, d = q.shape
+    nc = -(-n // c)
+    per = max(1, min(_work_rows(q, c), n // _MIN_PASSES) // c)
+    groups = [(g0, min(g0 + per, nc)) for g0 in range(0, nc, per)]
+    shifts = _chunk_shifts(k, beta, mask, c, groups)
+    s = q.new_empty(b, h, nc + 1, d, v.shape[-1] + 1)
+    s[:, :, 0] = 0
+    den = q.new_empty(b, h, n, 1)
+    for g0, g1 in groups:
+        _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den)
+    return (s, *shifts, den), groups
+
+
+def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * causal LLN: the groups in reverse, carrying dL/dS."""
+    s, m_incl, m_prev, decay, den = state
+    carry = torch.zeros_like(s[:, :, 0])  # total dL/dS of the first chunk after the group
+    for g0, g1 in reversed(groups):
+        carry = _causal_backward_group(q, k, v, alpha, beta, mask, (m_incl, m_prev, decay), c, g0, g1, s,
+                                       den, grad, gscale, carry, dq, dk, dv)
+
+
+class _LLN(torch.autograd.Function):
+    """LLN with a hand-written backward; q, k, v (B,H,N,·) in the compute dtype, alpha, beta
+    (B|1,H|1,1,1) constants, mask (B,S) or None. Saves only the inputs and the small state of
+    ``_noncausal_forward`` / ``_causal_forward`` (not the output: rebuilt pass by pass)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mask, c: int):
-        b, h, n, d = q.shape
-        nc = -(-n // c)
-        per = max(1, min(_work_rows(q, c), n // _MIN_PASSES) // c)
-        groups = [(g0, min(g0 + per, nc)) for g0 in range(0, nc, per)]
-        shifts = _chunk_shifts(k, beta, mask, c, groups)
-        s = q.new_empty(b, h, nc + 1, d, v.shape[-1] + 1)
-        s[:, :, 0] = 0
-        out, den = q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, 1)
-        for g0, g1 in groups:
-            _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den)
-        ctx.save_for_backward(q, k, v, alpha, beta, mask, s, *shifts, den, out)
-        ctx.groups, ctx.c = groups, c
+    def forward(ctx, q, k, v, alpha, beta, mask, causal: bool, c: int):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        if causal:
+            state, ctx.groups = _causal_forward(q, k, v, alpha, beta, mask, c, out)
+        else:
+            state = _noncausal_forward(q, k, v, alpha, beta, mask, out)
+        ctx.save_for_backward(q, k, v, alpha, beta, mask, *state)
+        ctx.causal, ctx.c = causal, c
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, alpha, beta, mask, s, m_incl, m_prev, decay, den, out = ctx.saved_tensors
+        q, k, v, alpha, beta, mask, *state = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        carry = torch.zeros_like(s[:, :, 0])  # total dL/dS of the first chunk after the group
-        for g0, g1 in reversed(ctx.groups):
-            carry = _causal_backward_group(q, k, v, alpha, beta, mask, (m_incl, m_prev, decay), ctx.c, g0, g1, s,
-                                           den, out, grad, carry, dq, dk, dv)
-        return dq, dk, dv, None, None, None, None
+        if ctx.causal:
+            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, grad, 1, dq, dk, dv)
+        else:
+            _noncausal_backward(q, k, v, alpha, beta, mask, state, grad, 1, dq, dk, dv)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den) -> None:
@@ -274,14 +296,23 @@ def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out,
     torch.div(o[..., :-1], den[:, :, r0:r1], out=out[:, :, r0:r1])
 
 
-def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, carry, dq, dk, dv):
+def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, grad, gscale, carry, dq, dk, dv):
     """Chunks [g0, g1): their rows of dq, dk, dv; returns the total dL/dS_(g0) for the group before."""
     m_incl, m_prev, decay = shifts
     fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
     r0, r1 = g0 * c, min(g1 * c, q.shape[2])
-    go = _rows(_output_grad(grad[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1]), c, 0, (g1 - g0) * c)
     r = torch.exp(-rho)[..., None]
-    dv1 = (fq @ fk.transpose(-1, -2)).mul_(e).transpose(-1, -2) @ go  # through W
+    wt = (fq @ fk.transpose(-1, -2)).mul_(e)
+    o = wt @ v1
+    o += (fq * r) @ s[:, :, g0:g1]  # the forward's [numerator, denominator], rebuilt
+    o = o.flatten(2, 3)[:, :, :r1 - r0]
+    go = _output_grad(grad[:, :, r0:r1], o[..., :-1] / den[:, :, r0:r1], den[:, :, r0:r1])
+    del o
+    if gscale != 1:
+        go.mul_(gscale)
+    go = _rows(go, c, 0, (g1 - g0) * c)
+    dv1 = wt.transpose(-1, -2) @ go  # through W
+    del wt
     dp = (go @ v1.transpose(-1, -2)).mul_(e)  # dL/d(phi_q phi_k^T) inside chunks
     del e
     dfq = (go @ s[:, :, g0:g1].transpose(-1, -2)).mul_(r).add_(dp @ fk)
@@ -301,6 +332,20 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
     return ds[:, :, 0].clone()
 
 
+def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool):
+    """Validated (q, k, v, alpha, beta, mask) for the fast paths: tensors in the compute dtype, alpha and
+    beta (B|1,H|1,1,1) constants (learnt scales are folded into q and k, where autograd carries them)."""
+    check_qkv(q, k, v, same_length=causal)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    ct = compute_dtype(q)
+    alpha = check_positive_scale("alpha", alpha, q).to(ct)
+    beta = check_positive_scale("beta", beta, q).to(ct)
+    q_, k_, v_ = q.to(ct), k.to(ct), v.to(ct)
+    if alpha.requires_grad or beta.requires_grad:
+        q_, k_, alpha, beta = alpha * q_, beta * k_, torch.ones_like(alpha), torch.ones_like(beta)
+    return q_, k_, v_, alpha.detach(), beta.detach(), key_padding_mask
+
+
 @autocast_off
 def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
                   key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
@@ -313,19 +358,8 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    check_qkv(q, k, v, same_length=causal)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    ct = compute_dtype(q)
-    alpha = check_positive_scale("alpha", alpha, q).to(ct)
-    beta = check_positive_scale("beta", beta, q).to(ct)
-    q_, k_, v_ = q.to(ct), k.to(ct), v.to(ct)
-    if alpha.requires_grad or beta.requires_grad:  # learnt scales: autograd carries them through alpha q, beta k
-        q_, k_, alpha, beta = alpha * q_, beta * k_, torch.ones_like(alpha), torch.ones_like(beta)
-    if causal:
-        out = _LLNCausal.apply(q_, k_, v_, alpha.detach(), beta.detach(), key_padding_mask, min(chunk_size, q.shape[2]))
-    else:
-        out = _LLNNonCausal.apply(q_, k_, v_, alpha.detach(), beta.detach(), key_padding_mask)
-    return out.to(q.dtype)
+    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)
+    return _LLN.apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)
 
 
 def lln_attention_reference(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
