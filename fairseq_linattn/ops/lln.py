@@ -122,16 +122,19 @@ def _noncausal_rows(q, alpha, m, s, r0, r1, den, out):
     return fq
 
 
-def _noncausal_backward(q, k, v, alpha, beta, mask, state, grad, gscale, dq, dk, dv) -> None:
-    """dq, dk, dv of ``gscale`` * non-causal LLN (four matmuls per pass), the output rebuilt per pass."""
+def _noncausal_backward(q, k, v, alpha, beta, mask, state, out, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * non-causal LLN (four matmuls per pass); ``out`` None: rebuilt per pass."""
     m, s, den = state
     ds = None
     step = _work_rows(q)
     for r0 in range(0, q.shape[2], step):
         r1 = r0 + step
-        out = q.new_empty(*grad[:, :, r0:r1].shape)
-        fq = _noncausal_rows(q, alpha, m, s, r0, r1, None, out)
-        go = _output_grad(grad[:, :, r0:r1], out, den[:, :, r0:r1])
+        if out is None:
+            o = q.new_empty(*grad[:, :, r0:r1].shape)
+            fq = _noncausal_rows(q, alpha, m, s, r0, r1, None, o)
+        else:
+            o, fq = out[:, :, r0:r1], _query_features(q, alpha, m, r0, r1)
+        go = _output_grad(grad[:, :, r0:r1], o, den[:, :, r0:r1])
         if gscale != 1:
             go.mul_(gscale)
         part = fq.transpose(-1, -2) @ go  # dL/dS
@@ -245,19 +248,19 @@ def _causal_forward(q, k, v, alpha, beta, mask, c, out):
     return (s, *shifts, den), groups
 
 
-def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, grad, gscale, dq, dk, dv) -> None:
-    """dq, dk, dv of ``gscale`` * causal LLN: the groups in reverse, carrying dL/dS."""
+def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, out, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * causal LLN: the groups in reverse, carrying dL/dS (``out`` None: rebuilt)."""
     s, m_incl, m_prev, decay, den = state
     carry = torch.zeros_like(s[:, :, 0])  # total dL/dS of the first chunk after the group
     for g0, g1 in reversed(groups):
         carry = _causal_backward_group(q, k, v, alpha, beta, mask, (m_incl, m_prev, decay), c, g0, g1, s,
-                                       den, grad, gscale, carry, dq, dk, dv)
+                                       den, out, grad, gscale, carry, dq, dk, dv)
 
 
 class _LLN(torch.autograd.Function):
     """LLN with a hand-written backward; q, k, v (B,H,N,·) in the compute dtype, alpha, beta
     (B|1,H|1,1,1) constants, mask (B,S) or None. Saves only the inputs and the small state of
-    ``_noncausal_forward`` / ``_causal_forward`` (not the output: rebuilt pass by pass)."""
+    ``_noncausal_forward`` / ``_causal_forward`` and the output (the caller holds it anyway)."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha, beta, mask, causal: bool, c: int):
@@ -266,18 +269,18 @@ class _LLN(torch.autograd.Function):
             state, ctx.groups = _causal_forward(q, k, v, alpha, beta, mask, c, out)
         else:
             state = _noncausal_forward(q, k, v, alpha, beta, mask, out)
-        ctx.save_for_backward(q, k, v, alpha, beta, mask, *state)
+        ctx.save_for_backward(q, k, v, alpha, beta, mask, out, *state)
         ctx.causal, ctx.c = causal, c
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, alpha, beta, mask, *state = ctx.saved_tensors
+        q, k, v, alpha, beta, mask, out, *state = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if ctx.causal:
-            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, grad, 1, dq, dk, dv)
+            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, out, grad, 1, dq, dk, dv)
         else:
-            _noncausal_backward(q, k, v, alpha, beta, mask, state, grad, 1, dq, dk, dv)
+            _noncausal_backward(q, k, v, alpha, beta, mask, state, out, grad, 1, dq, dk, dv)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -296,18 +299,21 @@ def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out,
     torch.div(o[..., :-1], den[:, :, r0:r1], out=out[:, :, r0:r1])
 
 
-def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, grad, gscale, carry, dq, dk, dv):
+def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, gscale, carry, dq, dk, dv):
     """Chunks [g0, g1): their rows of dq, dk, dv; returns the total dL/dS_(g0) for the group before."""
     m_incl, m_prev, decay = shifts
     fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
     r0, r1 = g0 * c, min(g1 * c, q.shape[2])
     r = torch.exp(-rho)[..., None]
     wt = (fq @ fk.transpose(-1, -2)).mul_(e)
-    o = wt @ v1
-    o += (fq * r) @ s[:, :, g0:g1]  # the forward's [numerator, denominator], rebuilt
-    o = o.flatten(2, 3)[:, :, :r1 - r0]
-    go = _output_grad(grad[:, :, r0:r1], o[..., :-1] / den[:, :, r0:r1], den[:, :, r0:r1])
-    del o
+    if out is None:  # the forward's [numerator, denominator], rebuilt
+        o = wt @ v1
+        o += (fq * r) @ s[:, :, g0:g1]
+        o = o.flatten(2, 3)[:, :, :r1 - r0]
+        go = _output_grad(grad[:, :, r0:r1], o[..., :-1] / den[:, :, r0:r1], den[:, :, r0:r1])
+        del o
+    else:
+        go = _output_grad(grad[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1])
     if gscale != 1:
         go.mul_(gscale)
     go = _rows(go, c, 0, (g1 - g0) * c)

@@ -38,7 +38,7 @@ def mix_lln_diag(lln_out: Tensor, diag_out: Tensor, mix: str = "average", r: Opt
 class _LLNDiagAverage(torch.autograd.Function):
     """0.5 (LLN + Diag) (LLN §4.2) built in one output buffer, with a hand-written backward that adds
     both parts' gradients into one set of buffers. Inputs as ``lln._LLN`` plus valid (B|1,nb*bs) or None
-    and the block size; saves only the inputs and LLN's small state."""
+    and the block size; saves only the inputs and LLN's small state (LLN's output is rebuilt)."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha, beta, mask, valid, causal: bool, c: int, bs: int):
@@ -57,9 +57,9 @@ class _LLNDiagAverage(torch.autograd.Function):
         q, k, v, alpha, beta, mask, valid, *state = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if ctx.causal:
-            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, grad, 0.5, dq, dk, dv)
+            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, None, grad, 0.5, dq, dk, dv)
         else:
-            _noncausal_backward(q, k, v, alpha, beta, mask, state, grad, 0.5, dq, dk, dv)
+            _noncausal_backward(q, k, v, alpha, beta, mask, state, None, grad, 0.5, dq, dk, dv)
         blocks_backward_(q, k, v, valid, ctx.bs, ctx.causal, grad, 0.5, dq, dk, dv, accumulate=True)
         return dq, dk, dv, None, None, None, None, None, None, None
 
