@@ -26,6 +26,7 @@ def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json:
     p.add_argument("--docs", type=Path, default=None, help=f"rewrite the {section} section of this markdown")
     p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
+    p.add_argument("--section", default=section, help=f"name of the --docs section to rewrite (default {section!r})")
 
 
 def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, default_plot: Path) -> argparse.Namespace:
@@ -63,11 +64,11 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
     text = render(res, report.link(args.plot, args.docs))
     print(text)
     if args.docs:
-        report.write_section(args.docs, section, text)
+        report.write_section(args.docs, args.section, text)
         print(f"updated {args.docs}")
 
 
-_CHILD_DROPS = {"--malloc", "--json", "--plot", "--docs"}
+_CHILD_DROPS = {"--malloc", "--json", "--plot", "--docs", "--section"}
 
 
 def _measure_keep(argv: list) -> dict:
