@@ -26,10 +26,10 @@ def test_skyformer_equals_its_kernel_matrix_times_values(gen, passes, padded, ex
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("mode", ["stratified", "uniform"])
-def test_skyformer_gradcheck_float64(gen, passes, padded, mode):
+@pytest.mark.parametrize("mode,exact_inverse", [("stratified", False), ("uniform", False), ("stratified", True)])
+def test_skyformer_gradcheck_float64(gen, passes, padded, mode, exact_inverse):
     q, k, v = (torch.randn(2, 1, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = padding_mask(2, 6, "right", gen) if padded else None
     fn = lambda q, k, v: ops.skyformer_attention(q, k, v, num_landmarks=4, key_padding_mask=mask, mode=mode,
-                                                 training=False)
+                                                 training=False, exact_inverse=exact_inverse)
     assert torch.autograd.gradcheck(fn, (q, k, v))

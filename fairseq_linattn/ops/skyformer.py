@@ -115,17 +115,23 @@ def _kernel_input_grad(dc: Tensor, c: Tensor, xs: Tensor, land: Tensor, dland: T
 
 class _NystromApply(torch.autograd.Function):
     """out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) with C_Q = kappa(Q, L), C_K = kappa(K, L) built
-    pass by pass and rebuilt in backward; saves only the inputs and the (B,H,d,Dv) products T = C_K^T V,
-    U = M^-T T. q, k, v (B,H,N,·) compute dtype unscaled, land (B,H,d,D) scaled, m_inv (B,H,d,d),
-    used (B,1,1,d) float, pad (B,N) or None (padded rows of q, k and v count as 0)."""
+    pass by pass and rebuilt in backward; saves only the inputs, the landmarks L (B,H,d,D), M^-1 and the
+    (B,H,d,Dv) products T = C_K^T V, U = M^-T T. q, k, v (B,H,N,·) compute dtype unscaled (padded keys
+    0), idx (B,d) landmark rows of [Q; K], used (B,d) bool, pad (B,N) or None. The landmarks' gradient
+    (through C_Q, C_K and through M^-1, whose small graph is rebuilt) is added into the rows they came
+    from: no dense gradient of a gather."""
 
     @staticmethod
-    def forward(ctx, q, k, v, land, m_inv, used, pad, scale: float):
+    def forward(ctx, q, k, v, idx, used, pad, gamma: float, exact_inverse: bool):
         b, h, n, _ = q.shape
+        scale = kernel_scale(q)
+        land = _landmarks(q, k, idx, pad)
+        m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
+        used4 = used[:, None, None, :].to(q.dtype)
         step = max(1, _WORK_ELEMENTS // (b * h * land.shape[2]))
         t = None
         for r0 in range(0, n, step):
-            _, ck = _kernel_rows(k, scale, pad, land, used, r0, r0 + step, True)
+            _, ck = _kernel_rows(k, scale, pad, land, used4, r0, r0 + step, True)
             vc = v[:, :, r0:r0 + step] if pad is None else v[:, :, r0:r0 + step].masked_fill(
                 pad[:, None, r0:r0 + step, None], 0.0)
             part = ck.transpose(-1, -2) @ vc
@@ -133,38 +139,49 @@ class _NystromApply(torch.autograd.Function):
         u = m_inv.transpose(-1, -2) @ t
         out = q.new_empty(b, h, n, v.shape[-1])
         for r0 in range(0, n, step):
-            torch.matmul(_kernel_rows(q, scale, pad, land, used, r0, r0 + step)[1], u, out=out[:, :, r0:r0 + step])
-        ctx.save_for_backward(q, k, v, land, m_inv, used, pad, t, u)
-        ctx.scale, ctx.step = scale, step
+            torch.matmul(_kernel_rows(q, scale, pad, land, used4, r0, r0 + step)[1], u, out=out[:, :, r0:r0 + step])
+        ctx.save_for_backward(q, k, v, idx, used, pad, land, m_inv, t, u)
+        ctx.gamma, ctx.exact, ctx.step = gamma, exact_inverse, step
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, land, m_inv, used, pad, t, u = ctx.saved_tensors
-        scale, step, n = ctx.scale, ctx.step, q.shape[2]
+        q, k, v, idx, used, pad, land, m_inv, t, u = ctx.saved_tensors
+        scale, step, (b, h, n, dim) = kernel_scale(q), ctx.step, q.shape
+        used4 = used[:, None, None, :].to(q.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dland, du = torch.zeros_like(land), None
         for r0 in range(0, n, step):
             r1 = r0 + step
-            qs, cq = _kernel_rows(q, scale, pad, land, used, r0, r1)
+            qs, cq = _kernel_rows(q, scale, pad, land, used4, r0, r1)
             g = grad[:, :, r0:r1]
             part = cq.transpose(-1, -2) @ g
             du = part if du is None else du.add_(part)
             dqs = _kernel_input_grad(g @ u.transpose(-1, -2), cq, qs, land, dland)
             torch.mul(dqs, scale, out=dq[:, :, r0:r1])
         dt = m_inv @ du
-        dm_inv = t @ du.transpose(-1, -2)
         for r0 in range(0, n, step):
             r1 = r0 + step
-            ks, ck = _kernel_rows(k, scale, pad, land, used, r0, r1, True)
+            ks, ck = _kernel_rows(k, scale, pad, land, used4, r0, r1, True)
             vc = v[:, :, r0:r1] if pad is None else v[:, :, r0:r1].masked_fill(pad[:, None, r0:r1, None], 0.0)
             torch.matmul(ck, dt, out=dv[:, :, r0:r1])
             dks = _kernel_input_grad(vc @ dt.transpose(-1, -2), ck, ks, land, dland)
             torch.mul(dks, scale, out=dk[:, :, r0:r1])
+        with torch.enable_grad():  # through M^-1 = f(kappa(L, L)): a (d×d) graph, rebuilt
+            lg = land.detach().requires_grad_()
+            dland += torch.autograd.grad(_kernel_inverse(lg, used, ctx.gamma, ctx.exact), lg,
+                                         t @ du.transpose(-1, -2))[0]  # dL/dM^-1 = T dU^T
+        dland.mul_(scale)
+        if pad is not None:
+            dland.masked_fill_(pad.gather(1, idx % n)[:, None, :, None], 0.0)
+        from_q = (idx < n)[:, None, :, None]
+        rows = lambda i: i[:, None, :, None].expand(b, h, idx.shape[1], dim)
+        dq.scatter_add_(2, rows(idx.clamp_max(n - 1)), dland * from_q)
+        dk.scatter_add_(2, rows((idx - n).clamp_min(0)), dland * ~from_q)
         if pad is not None:
             for x in (dq, dk, dv):
                 x.masked_fill_(pad[:, None, :, None], 0.0)
-        return dq, dk, dv, dland, dm_inv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -194,8 +211,8 @@ def _kernel_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: boo
     return newton_schulz_inverse(m_hat) * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
 
 
-def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, exact_inverse, training, gamma):
-    """(q, k in the compute dtype, landmarks L (B,H,d,D), M^-1 (B,H,d,d), used (B,d) bool)."""
+def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training):
+    """(q, k in the compute dtype (padded keys 0), landmark rows idx (B,d) of [Q; K], used (B,d) bool)."""
     b, _, n, _ = q.shape
     ct = compute_dtype(q)
     valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
@@ -203,14 +220,14 @@ def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, exac
     q_, k_ = q.to(ct), k.to(ct)
     if key_padding_mask is not None:
         k_ = k_.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # whatever padded keys hold (even inf)
-    land = _landmarks(q_, k_, idx, key_padding_mask)
-    return q_, k_, land, _kernel_inverse(land, used, gamma, exact_inverse), used
+    return q_, k_, idx, used
 
 
 def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exact_inverse, training, gamma):
     """C_Q (B,H,N,d), M^-1 (B,H,d,d), C_K (B,H,N,d) in the compute dtype (padded key rows of C_K zero)."""
-    q_, k_, land, m_inv, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator,
-                                                exact_inverse, training, gamma)
+    q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
+    land = _landmarks(q_, k_, idx, key_padding_mask)
+    m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
     scale, used4 = kernel_scale(q), used[:, None, None, :]
     _, c_q = _kernel_rows(q_, scale, key_padding_mask, land, used4, 0, q.shape[2])
     _, c_k = _kernel_rows(k_, scale, key_padding_mask, land, used4, 0, q.shape[2], True)
@@ -228,11 +245,9 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
     Half inputs compute in float32 (the iteration needs it) and return the input dtype.
     """
     key_padding_mask = _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma)
-    q_, k_, land, m_inv, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator,
-                                                exact_inverse, training, gamma)
+    q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
-    out = _NystromApply.apply(q_, k_, v.to(q_.dtype), land, m_inv, used[:, None, None, :].to(q_.dtype),
-                              key_padding_mask, kernel_scale(q))
+    out = _NystromApply.apply(q_, k_, v.to(q_.dtype), idx, used, key_padding_mask, gamma, exact_inverse)
     return out.to(q.dtype)
 
 
