@@ -26,7 +26,7 @@ def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json:
     p.add_argument("--docs", type=Path, default=None, help=f"rewrite the {section} section of this markdown")
     p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    p.add_argument("--section", default=section, help=f"name of the --docs section to rewrite (default {section!r})")
+    p.add_argument("--section", default=None, help=f"name of the --docs section to rewrite (default: the {section} results)")
 
 
 def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, default_plot: Path) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
     text = render(res, report.link(args.plot, args.docs))
     print(text)
     if args.docs:
-        report.write_section(args.docs, args.section, text)
+        report.write_section(args.docs, args.section or section, text)
         print(f"updated {args.docs}")
 
 
