@@ -29,6 +29,9 @@ METHODS = ("softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "
 CAUSAL = {"softmax", "lln", "lln_diag", "block_softmax", "lavo"}
 LINEAR = ("lln", "lln_diag", "block_softmax", "lavo", "skyformer")
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
+# issue 15: peak memory above the inputs against SDPA's (same N, same causality)
+MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
+                  "lavo causal": 1.25, "skyformer": 1.5}
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
 QUICK = dict(sizes=[64, 128], heads=2, head_dim=16, repeats=1, min_repeats=1, warmup=1, point_seconds=1.0,
              chunk_size=16, block_size=16, lavo_window=16, lavo_bases=8, landmarks=16)
@@ -59,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--memory-budget-gib", type=float, default=8.0, help="a method stops above this peak")
     p.add_argument("--no-memory", action="store_true", help="skip the (profiled) memory measurement")
     p.add_argument("--fit-range", type=int, nargs=2, default=[4096, 32768], help="N range of the exponents")
-    cli.add_output_arguments(p, "attention", DEFAULT_JSON, DEFAULT_PLOT)
+    cli.add_output_arguments(p, "attention", DEFAULT_JSON, DEFAULT_PLOT, malloc_default="both")
     return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
 
 
@@ -183,6 +186,18 @@ def targets(res: dict) -> list:
         lambda x: x >= 15)
     add("causal LAVO (w=64, r=64) at N=16384 ≥ 25× faster than causal SDPA",
         ratio("lavo causal", "softmax causal", 16384), lambda x: x >= 25)
+    big = [n for n in res["config"]["sizes"] if 4096 <= n <= 32768]
+    for name, limit in MEMORY_TARGETS.items():
+        base = "softmax causal" if name.endswith("causal") else "softmax"
+        pairs = [(_row(res, name, n), _row(res, base, n)) for n in big]
+        worst = [a["peak_bytes"] / b["peak_bytes"] for a, b in pairs if a and b and a.get("peak_bytes") and b.get("peak_bytes")]
+        add(f"{name}: peak memory ≤ {limit}× SDPA's at N={big[0] if big else 4096}–{big[-1] if big else 32768} (worst N)",
+            max(worst) if worst else None, lambda x, limit=limit: x <= limit, "{:.2f}×")
+    for name in MEMORY_TARGETS:
+        rows = [_row(res, name, n) for n in (16384, 32768)]
+        slow = [r["median_s"] / r["keep_median_s"] for r in rows if r and r.get("keep_median_s")]
+        add(f"{name}: time with glibc's defaults ≤ 1.5× with --malloc keep at N=16384, 32768 (worst N)",
+            max(slow) if slow else None, lambda x: x <= 1.5, "{:.2f}×")
     return out
 
 
@@ -197,7 +212,11 @@ def render(res: dict, image: str) -> str:
     mem_exps = {name: {f"exponent N={lo}–{hi}": report.fmt_exponent(report.scaling_exponent(rows, "peak_bytes",
                                                                                              lo, hi))}
                 for name, rows in pts.items()}
-    time_table = report.table(pts, sizes, lambda r: f"{r['median_s'] * 1e3:.1f}", exps)
+    keep = any("keep_median_s" in r for rows in pts.values() for r in rows)
+    time_table = report.table(pts, sizes, lambda r: f"{r['median_s'] * 1e3:.1f}" + (
+        f" ({r['keep_median_s'] * 1e3:.1f})" if "keep_median_s" in r else ""), exps)
+    time_title = ("**Forward + backward time (ms), glibc's default allocator (in brackets: `--malloc keep`)**"
+                  if keep else "**Forward + backward time (ms)**")
     mem_table = report.table(pts, sizes, lambda r: None if r.get("peak_bytes") is None
                              else f"{r['peak_bytes'] / report.MiB:.1f}", mem_exps)
     floor = {name: [dict(r, floor=floor_ratio(res, name, r)) if r["status"] == "ok" else r for r in rows]
@@ -222,7 +241,7 @@ def render(res: dict, image: str) -> str:
         "budget.",
         f"![attention benchmark: time and memory against N]({image})" if image else "",
         "**Targets**\n\n" + report.targets_table(targets(res)),
-        "**Forward + backward time (ms)**\n\n" + time_table,
+        time_title + "\n\n" + time_table,
         "**Peak memory above the inputs (MiB)**\n\n" + mem_table,
         "**Speed-up over SDPA (softmax; causal over causal)**\n\n" + speed_table,
         "**Time over FLOP floor** (matmul FLOPs of forward+backward / matmul rate; rate in GFLOP/s at each "

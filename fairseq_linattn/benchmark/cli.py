@@ -2,23 +2,31 @@
 measure-or-load → JSON → plot → markdown sequence of their ``main``."""
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 from . import measure, report
 
 
-def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json: Path, default_plot: Path) -> None:
+def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json: Path, default_plot: Path,
+                         malloc_default: str = "keep") -> None:
     """--malloc, --json, --plot, --docs, --from-json, --quick (the last given meaning by ``finish_args``)."""
-    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
+    choices = ["keep", "default"] + (["both"] if malloc_default == "both" else [])
+    p.add_argument("--malloc", choices=choices, default=malloc_default,
                    help="keep: restart with glibc keeping freed memory (no page faults on every large "
-                        "temporary, like a GPU's caching allocator), for every method; default: glibc's")
+                        "temporary, like a GPU's caching allocator), for every method; default: glibc's"
+                        + ("; both: measure with glibc's defaults (what a user runs), then time again in a "
+                           "child process under keep (the second column)" if "both" in choices else ""))
     p.add_argument("--json", type=Path, default=None, help=f"results (default {default_json}; none with --quick)")
     p.add_argument("--plot", type=Path, default=None, help=f"PNG (default {default_plot}; none with --quick)")
     p.add_argument("--docs", type=Path, default=None, help=f"rewrite the {section} section of this markdown")
     p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
+    p.add_argument("--section", default=None, help=f"name of the --docs section to rewrite (default: the {section} results)")
 
 
 def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, default_plot: Path) -> argparse.Namespace:
@@ -44,6 +52,8 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
         res = json.loads(args.from_json.read_text())
     else:
         res = measure_all(args)
+        if args.malloc == "both" and argv is None:  # a script's own process (the child re-runs sys.argv)
+            merge_keep_times(res, _measure_keep(sys.argv[1:]))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=1))
@@ -54,5 +64,36 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
     text = render(res, report.link(args.plot, args.docs))
     print(text)
     if args.docs:
-        report.write_section(args.docs, section, text)
+        report.write_section(args.docs, args.section or section, text)
         print(f"updated {args.docs}")
+
+
+_CHILD_DROPS = {"--malloc", "--json", "--plot", "--docs", "--section"}
+
+
+def _measure_keep(argv: list) -> dict:
+    """Run this script again (same options, no memory, no outputs) under ``--malloc keep``; its results."""
+    rest, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+        elif tok in _CHILD_DROPS:
+            skip = True
+        elif tok.split("=", 1)[0] not in _CHILD_DROPS:
+            rest.append(tok)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "keep.json"
+        cmd = [sys.executable, sys.argv[0], *rest, "--malloc", "keep", "--no-memory", "--json", str(out),
+               "--plot", str(Path(tmp) / "keep.png")]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **measure.KEEP_FREED_MEMORY})
+        return json.loads(out.read_text())
+
+
+def merge_keep_times(res: dict, keep: dict) -> None:
+    """Each measured row gets ``keep_median_s``, the median time of the same point under ``--malloc keep``."""
+    res["machine"]["malloc_second_column"] = keep["machine"].get("malloc")
+    for name, rows in res["points"].items():
+        by_n = {r["n"]: r for r in keep["points"].get(name, []) if r["status"] == "ok"}
+        for row in rows:
+            if row["status"] == "ok" and row["n"] in by_n:
+                row["keep_median_s"] = by_n[row["n"]]["median_s"]

@@ -89,7 +89,9 @@ def machine_lines(machine: dict, load: Sequence[float]) -> str:
             f"torch {machine['torch']} on {machine['device']}, {machine['torch_threads']} threads, "
             f"Python {machine['python']}; load average (1, 5, 15 min) at the start: {load_text}."
             + (f" glibc malloc: {machine['malloc']} (freed memory kept, see below)." if machine.get("malloc")
-               else " glibc malloc defaults." if "malloc" in machine else ""))
+               else " glibc malloc defaults." if "malloc" in machine else "")
+            + (f" Times in brackets: a second process with {machine['malloc_second_column']} (freed memory kept)."
+               if machine.get("malloc_second_column") else ""))
 
 
 def targets_table(targets: List[dict]) -> str:

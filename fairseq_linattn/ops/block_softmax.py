@@ -9,45 +9,113 @@ from ._checks import (Rows, allowed_keys, autocast_off, check_key_padding_mask, 
                       compute_dtype, masked_softmax, select_rows)
 
 
-def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
-    """(B,H,N,D) -> (B,H,nb,bs,D), zero-padded at the end."""
-    b, h, n, d = x.shape
-    nb = -(-n // block_size)
-    x = torch.nn.functional.pad(x, (0, 0, 0, nb * block_size - n))
-    return x.view(b, h, nb, block_size, d)
+_WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,D) working temporary
+_MIN_PASSES = 16  # so that a pass's temporaries stay a small fraction of an (N, D) tensor
 
 
-def _unmasked_blocks(q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool) -> Tensor:
-    """Softmax inside consecutive blocks of a length divisible by ``block_size``; no padding, no copies.
+def _blocks(x: Tensor, bs: int, f0: int, f1: int) -> Tensor:
+    """Rows of blocks [f0, f1) of x (B,H,N,C) as (B,H,G,bs,C), zero-padded past the end (no copy otherwise)."""
+    part = x[:, :, f0 * bs:f1 * bs]
+    if part.shape[2] < (f1 - f0) * bs:
+        part = torch.nn.functional.pad(part, (0, 0, 0, (f1 - f0) * bs - part.shape[2]))
+    return part.unflatten(2, (-1, bs))
 
-    (B,H,nb*bs,D) -> (B,H,nb*bs,Dv); every query has a key (itself), so the softmax is finite.
+
+def _block_groups(q: Tensor, bs: int):
+    """Groups of consecutive blocks [f0, f1) of working size."""
+    b, h, n, d = q.shape
+    nb = -(-n // bs)
+    per = max(1, min(_WORK_ELEMENTS // (b * h * bs * max(d, bs)), nb // _MIN_PASSES))
+    return [(f0, min(f0 + per, nb)) for f0 in range(0, nb, per)]
+
+
+def _block_probs(q, k, valid, bs, f0, f1, causal):
+    """softmax(q k^T / sqrt(D)) inside blocks [f0, f1) (LLN §4.2): p (B,H,G,bs,bs), has_key (B,1,G,bs,1) or None.
+
+    valid (B,nb*bs) marks the keys a query may see (None: all); a row with no allowed key is finite, zeroed by
+    the caller through has_key.
     """
-    b, h, n, d = q.shape
-    nb = n // block_size
-    qb, kb, vb = (t.view(b, h, nb, block_size, t.shape[-1]) for t in (q, k, v))
-    scores = (qb @ kb.transpose(-1, -2)).mul_(1 / math.sqrt(d))  # (B,H,nb,bs,bs)
+    scores = (_blocks(q, bs, f0, f1) @ _blocks(k, bs, f0, f1).transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))
+    tril = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril() if causal else None
+    if valid is None:
+        if causal:
+            scores.masked_fill_(~tril, float("-inf"))
+        return torch.softmax(scores, -1), None
+    allowed = valid[:, None, f0 * bs:f1 * bs].unflatten(2, (-1, bs))[:, :, :, None, :]  # (B,1,G,1,bs)
     if causal:
-        scores.masked_fill_(~torch.ones(block_size, block_size, dtype=torch.bool, device=q.device).tril(),
-                            float("-inf"))
-    return (torch.softmax(scores, -1) @ vb).view(b, h, n, -1)
-
-
-def _masked_blocks(q: Tensor, k: Tensor, v: Tensor, bs: int, causal: bool, key_padding_mask: Tensor) -> Tensor:
-    """Blocks with padded keys masked (the last block zero-padded to bs); queries with no key get 0."""
-    b, h, n, d = q.shape
-    qb, kb, vb = (_pad_to_blocks(t, bs) for t in (q, k, v))
-    nb = qb.shape[2]
-    valid = torch.arange(nb * bs, device=q.device) < n  # the zero-padding of the last block
-    kpm = torch.nn.functional.pad(key_padding_mask, (0, nb * bs - n), value=True).view(b, nb, bs)
-    allowed = (valid.view(1, nb, bs) & ~kpm)[:, None, :, None, :]  # (B,1,nb,1,bs) over keys
-    if causal:
-        allowed = allowed & torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril()
-    scores = qb @ kb.transpose(-1, -2) / math.sqrt(d)  # (B,H,nb,bs,bs)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed = allowed & tril
     has_key = allowed.any(-1, keepdim=True)
-    scores = scores.masked_fill(~has_key, 0.0)  # keep softmax finite on empty rows; zeroed below
-    out = (torch.softmax(scores, -1) @ vb).masked_fill(~has_key, 0.0)
-    return out.reshape(b, h, nb * bs, -1)[:, :, :n]
+    scores.masked_fill_(~allowed, float("-inf")).masked_fill_(~has_key, 0.0)
+    return torch.softmax(scores, -1), has_key
+
+
+def blocks_forward_(q, k, v, valid, bs, causal, out, mix: float) -> None:
+    """out <- (1 - mix) out + mix * block softmax, block group by block group (mix 1: out is overwritten)."""
+    n = q.shape[2]
+    for f0, f1 in _block_groups(q, bs):
+        p, has_key = _block_probs(q, k, valid, bs, f0, f1, causal)
+        x = (p @ _blocks(v, bs, f0, f1)).flatten(2, 3)[:, :, :n - f0 * bs]
+        if has_key is not None:
+            x.masked_fill_(~has_key.flatten(2, 3)[:, :, :x.shape[2]], 0.0)
+        rows = out[:, :, f0 * bs:f0 * bs + x.shape[2]]
+        if mix == 1:
+            rows.copy_(x)
+        else:
+            rows.add_(x).mul_(mix)  # the LLN+Diag average 0.5 (LLN + Diag)
+
+
+def blocks_backward_(q, k, v, valid, bs, causal, grad, gscale: float, dq, dk, dv, accumulate: bool) -> None:
+    """dq, dk, dv of ``gscale`` * block softmax (probabilities recomputed per group): added, or written."""
+    n = q.shape[2]
+    scale = 1 / math.sqrt(q.shape[-1])
+    for f0, f1 in _block_groups(q, bs):
+        p, has_key = _block_probs(q, k, valid, bs, f0, f1, causal)
+        g = _blocks(grad, bs, f0, f1)
+        if gscale != 1:
+            g = g * gscale
+        if has_key is not None:
+            g = g.masked_fill(~has_key, 0.0)
+        dp = g @ _blocks(v, bs, f0, f1).transpose(-1, -2)
+        ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p * scale)  # softmax backward, times 1/sqrt(D)
+        rows = slice(f0 * bs, min(f1 * bs, n))
+        for dst, val in ((dv, p.transpose(-1, -2) @ g), (dq, ds @ _blocks(k, bs, f0, f1)),
+                         (dk, ds.transpose(-1, -2) @ _blocks(q, bs, f0, f1))):
+            val = val.flatten(2, 3)[:, :, :rows.stop - rows.start]
+            if accumulate:
+                dst[:, :, rows] += val
+            else:
+                dst[:, :, rows] = val
+
+
+class _BlockSoftmax(torch.autograd.Function):
+    """Block-diagonal softmax with a hand-written backward that recomputes the probabilities per group
+    of blocks; q, k, v (B,H,N,·) compute dtype, valid (B,nb*bs) or None. Saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, valid, bs: int, causal: bool):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        blocks_forward_(q, k, v, valid, bs, causal, out, 1.0)
+        ctx.save_for_backward(q, k, v, valid)
+        ctx.bs, ctx.causal = bs, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, valid = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        blocks_backward_(q, k, v, valid, ctx.bs, ctx.causal, grad, 1.0, dq, dk, dv, accumulate=False)
+        return dq, dk, dv, None, None, None
+
+
+def block_valid(key_padding_mask: Optional[Tensor], n: int, bs: int, device) -> Optional[Tensor]:
+    """(B|1, nb*bs) keys a query may see (not padded, before the end), or None when every key may be seen."""
+    nb = -(-n // bs)
+    if key_padding_mask is None and nb * bs == n:
+        return None
+    valid = (torch.arange(nb * bs, device=device) < n)[None]
+    if key_padding_mask is not None:
+        valid = valid & ~torch.nn.functional.pad(key_padding_mask, (0, nb * bs - n), value=True)
+    return valid
 
 
 @autocast_off
@@ -56,8 +124,8 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
     """Tokens [m*bs, (m+1)*bs) attend to keys of their own block only; a shorter last block.
 
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). Padded keys are masked inside blocks; causal adds
-    a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time/memory.
-    Without padding the whole blocks and the shorter last one are two mask-free batched products.
+    a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time; beyond
+    the inputs it holds the output, the gradients and working-size temporaries (``_BlockSoftmax``).
     """
     check_qkv(q, k, v)
     block_size = check_positive_int("block_size", block_size)
@@ -65,15 +133,8 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
     n = q.shape[2]
     bs = min(block_size, n)
     ct = compute_dtype(q)
-    q_, k_, v_ = (t.to(ct) for t in (q, k, v))
-    if key_padding_mask is not None:
-        return _masked_blocks(q_, k_, v_, bs, causal, key_padding_mask).to(q.dtype)
-    whole = n - n % bs
-    parts = [_unmasked_blocks(q_[:, :, :whole], k_[:, :, :whole], v_[:, :, :whole], bs, causal)]
-    if whole < n:
-        parts.append(_unmasked_blocks(q_[:, :, whole:], k_[:, :, whole:], v_[:, :, whole:], n - whole, causal))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-    return out.to(q.dtype)
+    valid = block_valid(key_padding_mask, n, bs, q.device)
+    return _BlockSoftmax.apply(q.to(ct), k.to(ct), v.to(ct), valid, bs, causal).to(q.dtype)
 
 
 def block_softmax_weights(q: Tensor, k: Tensor, *, block_size: int = 64, causal: bool = False,

@@ -83,117 +83,207 @@ def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_s
     return out.view(*qb.shape[:-1], bases.shape[-1])
 
 
-def _windows(x: Tensor, w: int, causal: bool) -> Tensor:
-    """(B,H,nw*w,C) -> keys seen by each window: (B,H,nw,2w,C) previous+own window if causal, else (B,H,nw,w,C)."""
-    b, h, n, c = x.shape
-    xw = x.view(b, h, n // w, w, c)
+_WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,D) working temporary
+_MIN_PASSES = 16  # so that a pass's temporaries stay a small fraction of an (N, D) tensor
+
+
+def _span(x: Tensor, w: int, r0: int, r1: int) -> Tensor:
+    """Rows [r0, r1) of x (B,H,N,C) as windows (B,H,(r1-r0)/w,w,C); zero rows outside [0, N)."""
+    lo, hi = max(r0, 0), min(r1, x.shape[2])
+    part = x[:, :, lo:hi]
+    if lo > r0 or hi < r1:
+        part = F.pad(part, (0, 0, lo - r0, r1 - hi))
+    return part.unflatten(2, (-1, w))
+
+
+def _keys_seen(x: Tensor, w: int, f0: int, f1: int, causal: bool) -> Tensor:
+    """Keys (or values) seen by windows [f0, f1): (B,H,G,2w,C) previous+own window if causal, else (B,H,G,w,C)."""
     if not causal:
-        return xw
-    prev = F.pad(xw, (0, 0, 0, 0, 1, 0))[:, :, :-1]
-    return torch.cat([prev, xw], dim=3)
+        return _span(x, w, f0 * w, f1 * w)
+    both = _span(x, w, (f0 - 1) * w, f1 * w)
+    return torch.cat([both[:, :, :-1], both[:, :, 1:]], 3)
 
 
-def _two_window_views(x: Tensor, w: int) -> Tensor:
-    """(F*w, D) rows -> (F-1, 2w, D) overlapping views: entry f-1 holds windows f-1 and f, no copy."""
-    rows, d = x.shape
-    return x.as_strided((rows // w - 1, 2 * w, d), (w * d, d, 1), x.storage_offset())
+def _add_to_windows(dst: Tensor, grad: Tensor, w: int, f0: int, f1: int, causal: bool) -> None:
+    """dst (B,H,N,C) += the gradient of the keys seen by windows [f0, f1), grad as from ``_keys_seen``."""
+    n = dst.shape[2]
+    parts = [(grad[:, :, :, w:] if causal else grad, f0)]
+    if causal:
+        parts.append((grad[:, :, :, :w], f0 - 1))
+    for g, start in parts:
+        rows = g.flatten(2, 3)
+        lo = max(start * w, 0)
+        hi = min(start * w + rows.shape[2], n)
+        if hi > lo:
+            dst[:, :, lo:hi] += rows[:, :, lo - start * w:hi - start * w]
 
 
-class _CausalWindowAttention(torch.autograd.Function):
-    """softmax(q k^T + bias) v for each window of w queries against the previous and its own window.
+def _local_probs(q, k, bias, valid, w, f0, f1, causal, scale):
+    """Window softmax of windows [f0, f1) (LAVO §3.2-3.3): (p (B,H,G,w,K), has_key (B,1,G,w,1) or None, q*scale)."""
+    qs = _span(q, w, f0 * w, f1 * w) * scale
+    scores = (qs @ _keys_seen(k, w, f0, f1, causal).transpose(-1, -2)).add_(bias[None, :, None])
+    if causal and f0 == 0:
+        scores[:, :, 0, :, :w] = float("-inf")  # window 0 has no previous window
+    has_key = None
+    if valid is not None:
+        key_valid = _keys_seen(valid[:, None, :, None], w, f0, f1, causal)[:, 0, :, :, 0]  # (B,G,K)
+        allowed = torch.isfinite(bias[None, :1, None]) & key_valid[:, None, :, None, :]  # (B,1,G,w,K)
+        has_key = allowed.any(-1, keepdim=True)
+        scores.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed after
+    return torch.softmax(scores, -1), has_key, qs
 
-    q, k, v (B,H,nw*w,D) contiguous, q already scaled; bias (H,w,2w) with -inf outside the band.
-    Windows are flattened to F = B*H*nw (w, D) blocks, so "previous window" is the previous block
-    and [previous, own] is one (2w, D) strided view of k or v: each window is a single (w×D)·(D×2w)
-    product, with no copied keys. The blocks that cross a head boundary (every head's window 0) are
-    masked; block 0 has no view and is done alone. Saves only the probabilities.
+
+def _memory_probs(qs, bases, mean):
+    """qb = q B^T and p = softmax(qb * H) (LAVO eq. 4 with q·Xtil_i = H_i (q·B_i)), (B,H,G,w,r) each."""
+    qb = torch.einsum("bhgwd,hrd->bhgwr", qs, bases)
+    return qb, torch.softmax(qb * mean, -1)
+
+
+class _LAVO(torch.autograd.Function):
+    """LAVO self-attention 0.5 (F_local + F_global) with a hand-written backward.
+
+    q, k, v (B,H,N,D) compute dtype (unscaled), bases (H,r,D), bias (H,w,K) with -inf outside the band
+    (K = 2w causal, w otherwise), valid (B,nw*w) real tokens or None when no key needs masking,
+    tok (B,nw*w) the tokens of the memory. Windows are processed in groups of working size: pass 1
+    writes F_local into the output buffer and sums it per window, pass 2 adds the memory read-out in
+    place. Saves only the per-window sums and means (B,H,nw,·); the backward recomputes the window
+    probabilities and the memory probabilities group by group.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    def forward(ctx, q, k, v, bases, bias, valid, tok, causal: bool):
         b, h, n, d = q.shape
         w = bias.shape[1]
-        qf = q.view(-1, w, d)
-        k2, v2 = k.view(-1, d), v.view(-1, d)
-        scores = torch.empty(qf.shape[0], w, 2 * w, dtype=q.dtype, device=q.device)
-        if qf.shape[0] > 1:
-            torch.bmm(qf[1:], _two_window_views(k2, w).transpose(1, 2), out=scores[1:])
-        torch.mm(qf[0], k2[:w].t(), out=scores[0, :, w:])
-        per_head = scores.view(b, h, n // w, w, 2 * w)
-        per_head.add_(bias[None, :, None])
-        per_head[:, :, 0, :, :w] = float("-inf")  # window 0 has no previous window
-        p = torch.softmax(scores, -1)
-        x = torch.empty_like(qf)
-        if qf.shape[0] > 1:
-            torch.bmm(p[1:], _two_window_views(v2, w), out=x[1:])
-        torch.mm(p[0, :, w:], v2[:w], out=x[0])
-        ctx.save_for_backward(qf, k2, v2, p)
-        ctx.shape = (b, h, n, d)
-        return x.view(b, h, n, d)
+        nw = tok.shape[1] // w
+        scale = 1.0 / math.sqrt(d)
+        per = max(1, min(_WORK_ELEMENTS // (b * h * d * w), nw // _MIN_PASSES))
+        groups = [(f0, min(f0 + per, nw)) for f0 in range(0, nw, per)]
+        out = q.new_empty(b, h, n, d)
+        win = q.new_empty(b, h, nw, d)  # sum of x_t over the memory tokens of each window
+        tokw = tok.view(b, nw, w)
+        for f0, f1 in groups:  # pass 1: F_local
+            p, has_key, _ = _local_probs(q, k, bias, valid, w, f0, f1, causal, scale)
+            x = p @ _keys_seen(v, w, f0, f1, causal)
+            if has_key is not None:
+                x.masked_fill_(~has_key, 0.0)
+            win[:, :, f0:f1] = torch.einsum("bhgwd,bgw->bhgd", x, tokw[:, f0:f1])
+            xf = x.flatten(2, 3)[:, :, :n - f0 * w]
+            out[:, :, f0 * w:f0 * w + xf.shape[2]] = xf
+        mean, coef, wsum = _memory_mean(win, bases, tokw, causal)
+        for f0, f1 in groups:  # pass 2: out = coef F_local + 0.5 F_global
+            qs = _span(q, w, f0 * w, f1 * w) * scale
+            m = _group_mean(mean, f0, f1, causal)
+            _, pm = _memory_probs(qs, bases, m)
+            glob = torch.einsum("bhgwr,hrd->bhgwd", pm.mul_(m * 0.5), bases).flatten(2, 3)[:, :, :n - f0 * w]
+            rows = out[:, :, f0 * w:f0 * w + glob.shape[2]]
+            rows.mul_(_group_coef(coef, f0, f1, w, glob.shape[2], causal)).add_(glob)
+        ctx.save_for_backward(q, k, v, bases, bias, valid, tok, wsum, mean, coef)
+        ctx.causal, ctx.groups = causal, groups
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        qf, k2, v2, p = ctx.saved_tensors
-        b, h, n, d = ctx.shape
-        w = p.shape[1]
-        g = grad.contiguous().view(-1, w, d)
-        many = g.shape[0] > 1
-        dp = torch.empty_like(p)
-        if many:
-            torch.bmm(g[1:], _two_window_views(v2, w).transpose(1, 2), out=dp[1:])
-        torch.mm(g[0], v2[:w].t(), out=dp[0, :, w:])
-        dp[0, :, :w] = 0  # never computed; its probabilities are 0
-        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-        dq = torch.empty_like(qf)
-        if many:
-            torch.bmm(ds[1:], _two_window_views(k2, w), out=dq[1:])
-        torch.mm(ds[0, :, w:], k2[:w], out=dq[0])
-        dk, dv = _window_pair_grad(ds, qf), _window_pair_grad(p, g)
-        dbias = ds.view(b, h, n // w, w, 2 * w).sum((0, 2))
-        return dq.view(b, h, n, d), dk.view(b, h, n, d), dv.view(b, h, n, d), dbias
+        q, k, v, bases, bias, valid, tok, wsum, mean, coef = ctx.saved_tensors
+        causal, groups = ctx.causal, ctx.groups
+        b, h, n, d = q.shape
+        w = bias.shape[1]
+        nw = tok.shape[1] // w
+        scale = 1.0 / math.sqrt(d)
+        tokw = tok.view(b, nw, w)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dbases, dbias = torch.zeros_like(bases), torch.zeros_like(bias)
+        dmean = torch.zeros_like(mean)
+        for f0, f1 in groups:  # pass A: F_global = (p ⊙ H) B with p = softmax(qb ⊙ H) (eq. 4)
+            gg = _span(grad, w, f0 * w, f1 * w)
+            qs = _span(q, w, f0 * w, f1 * w) * scale
+            m = _group_mean(mean, f0, f1, causal)
+            qb, pm = _memory_probs(qs, bases, m)
+            dwgt = torch.einsum("bhgwd,hrd->bhgwr", gg, bases).mul_(0.5)  # dL/d(p ⊙ H)
+            dbases += torch.einsum("bhgwr,bhgwd->hrd", pm * m * 0.5, gg)
+            dp = dwgt * m
+            dlog = dp.sub_((dp * pm).sum(-1, keepdim=True)).mul_(pm)  # softmax backward
+            dm = (dwgt * pm).add_(dlog * qb)
+            _group_mean_grad(dmean, dm, f0, f1, causal)
+            dqb = dlog.mul_(m)
+            dbases += torch.einsum("bhgwr,bhgwd->hrd", dqb, qs)
+            dqs = torch.einsum("bhgwr,hrd->bhgwd", dqb, bases).flatten(2, 3)[:, :, :n - f0 * w]
+            torch.mul(dqs, scale, out=dq[:, :, f0 * w:f0 * w + dqs.shape[2]])
+        dwin = _memory_mean_grad(dmean, wsum, bases, dbases, tokw, causal)  # dL/d(window sums of x)
+        for f0, f1 in groups:  # pass B: F_local
+            p, has_key, qs = _local_probs(q, k, bias, valid, w, f0, f1, causal, scale)
+            dx = _span(grad, w, f0 * w, f1 * w) * _group_coef(coef, f0, f1, w, None, causal)
+            dx += (dwin[:, :, f0:f1, None] if causal else dwin[:, :, None, None]) * tokw[:, None, f0:f1, :, None]
+            if has_key is not None:
+                dx.masked_fill_(~has_key, 0.0)
+            _add_to_windows(dv, p.transpose(-1, -2) @ dx, w, f0, f1, causal)
+            dp = dx @ _keys_seen(v, w, f0, f1, causal).transpose(-1, -2)
+            ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p)  # softmax backward
+            dbias += ds.sum((0, 2))
+            _add_to_windows(dk, ds.transpose(-1, -2) @ qs, w, f0, f1, causal)
+            dqs = (ds @ _keys_seen(k, w, f0, f1, causal)).flatten(2, 3)[:, :, :n - f0 * w]
+            dq[:, :, f0 * w:f0 * w + dqs.shape[2]].add_(dqs, alpha=scale)
+        return dq, dk, dv, dbases, dbias, None, None, None
 
 
-def _window_pair_grad(s: Tensor, y: Tensor) -> Tensor:
-    """Gradient of the keys (or values) seen through [previous, own] windows: s (F,w,2w), y (F,w,D).
+def _memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
+    """H = mean of B x_t over the memory tokens (LAVO eq. 3): (mean, coef of F_local, window sums B·x).
 
-    Window f's keys get s[f, :, w:]^T y[f] (as its own window) + s[f+1, :, :w]^T y[f+1] (as the
-    previous window of f+1) -> (F,w,D).
+    causal: per window over the windows before it, mean (B,H,nw,r), coef (B,nw); else mean (B,H,r), coef (B,).
     """
-    w = s.shape[1]
-    out = torch.bmm(s[:, :, w:].transpose(1, 2), y)
-    if s.shape[0] > 1:
-        out[:-1].baddbmm_(s[1:, :, :w].transpose(1, 2), y[1:])
-    return out
+    wsum = torch.einsum("bhmd,hrd->bhmr", win, bases)
+    cnt = tokw.sum(2)  # (B,nw)
+    if causal:
+        mem = F.pad(wsum.cumsum(2), (0, 0, 1, 0))[:, :, :-1]  # windows < m
+        mem_cnt = F.pad(cnt.cumsum(1), (1, 0))[:, :-1]
+        mean = mem / mem_cnt.clamp_min(1)[:, None, :, None]
+        return mean, torch.where(mem_cnt > 0, 0.5, 1.0).to(win.dtype), win
+    total = cnt.sum(1)
+    return wsum.sum(2) / total.clamp_min(1)[:, None, None], torch.where(total > 0, 0.5, 1.0).to(win.dtype), win
 
 
-def _local_attention(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor, valid: Optional[Tensor], w: int,
-                     causal: bool) -> Tensor:
-    """F_local (LAVO §3.2-3.3) on (B,H,nw*w,D) inputs, q already scaled by 1/sqrt(D).
+def _memory_mean_grad(dmean: Tensor, win: Tensor, bases: Tensor, dbases: Tensor, tokw: Tensor, causal: bool):
+    """dL/d(per-window sums of x) (B,H,nw,D) causal or (B,H,D), from dL/dH; adds the bases' share to dbases."""
+    cnt = tokw.sum(2)
+    if causal:
+        mem_cnt = F.pad(cnt.cumsum(1), (1, 0))[:, :-1]
+        dmem = dmean / mem_cnt.clamp_min(1)[:, None, :, None]
+        # window m's sum enters the memory of every later window: a reverse exclusive cumulative sum
+        dws = F.pad(dmem.flip(2).cumsum(2).flip(2), (0, 0, 0, 1))[:, :, 1:]
+        dbases += torch.einsum("bhmr,bhmd->hrd", dws, win)
+        return torch.einsum("bhmr,hrd->bhmd", dws, bases)
+    dws = dmean / cnt.sum(1).clamp_min(1)[:, None, None]
+    dbases += torch.einsum("bhr,bhd->hrd", dws, win.sum(2))
+    return torch.einsum("bhr,hrd->bhd", dws, bases)
 
-    valid (B,nw*w) marks the real keys when some are padding (a query may then have no key at all:
-    its output is 0); None when every key a real query can see is real.
+
+def _group_mean(mean: Tensor, f0: int, f1: int, causal: bool) -> Tensor:
+    return mean[:, :, f0:f1, None, :] if causal else mean[:, :, None, None, :]
+
+
+def _group_mean_grad(dmean: Tensor, dm: Tensor, f0: int, f1: int, causal: bool) -> None:
+    if causal:
+        dmean[:, :, f0:f1] += dm.sum(3)
+    else:
+        dmean += dm.sum((2, 3))
+
+
+def _group_coef(coef: Tensor, f0: int, f1: int, w: int, rows: Optional[int], causal: bool) -> Tensor:
+    """The weight of F_local in the output, for windows [f0, f1): (B,1,G,1,1) or, given rows, (B,1,rows,1)."""
+    c = coef[:, f0:f1] if causal else coef[:, None].expand(-1, f1 - f0)
+    c = c[:, None, :, None, None].expand(-1, -1, -1, w, -1)
+    return c if rows is None else c.flatten(2, 3)[:, :, :rows]
+
+
+def _band_bias(pos_bias: Tensor, w: int, causal: bool) -> Tensor:
+    """(H,w,K): P[j - t + w - 1] for query slot t, key slot j inside the band, -inf outside (LAVO §3.3).
+
+    Causal keys are [previous, own] window (K = 2w, offsets -w+1 .. 0); otherwise the own window (K = w).
     """
-    b, h, n, d = q.shape
-    nw = n // w
-    i = torch.arange(w, device=q.device)[:, None]
-    c = torch.arange(2 * w if causal else w, device=q.device)[None, :]
-    rel = c - w - i if causal else c - i  # j - t for query slot i, key slot c
+    i = torch.arange(w, device=pos_bias.device)[:, None]
+    c = torch.arange(2 * w if causal else w, device=pos_bias.device)[None, :]
+    rel = c - w - i if causal else c - i  # j - t
     band = (rel <= 0) & (rel > -w) if causal else torch.ones_like(rel, dtype=torch.bool)
-    # P[j - t + w - 1] inside the band, -inf outside: one addition applies bias and band, (H,w,keys)
-    bias = pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)].masked_fill(~band, float("-inf"))
-    if valid is None and causal:
-        return _CausalWindowAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bias)
-    qw = q.view(b, h, nw, w, d)
-    kw, vw = _windows(k, w, causal), _windows(v, w, causal)
-    scores = (qw @ kw.transpose(-1, -2)).add_(bias[None, :, None])
-    if valid is None:
-        return (torch.softmax(scores, -1) @ vw).reshape(b, h, n, d)
-    key_valid = _windows(valid[:, None, :, None], w, causal)[:, 0, :, :, 0]  # (B,nw,keys)
-    allowed = band & key_valid[:, None, :, None, :]  # (B,1,nw,w,keys)
-    has_key = allowed.any(-1, keepdim=True)
-    scores.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed below
-    x = (torch.softmax(scores, -1) @ vw).masked_fill(~has_key, 0.0)
-    return x.reshape(b, h, n, d)
+    return pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)].masked_fill(~band, float("-inf"))
 
 
 @autocast_off
@@ -203,44 +293,22 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
 
     q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D). Causal local attention uses
     blocks of w queries against (previous + own) window with a band mask; the causal memory is an
-    exclusive cumulative sum over windows of sum_t B x_t and of the token counts.
+    exclusive cumulative sum over windows of sum_t B x_t and of the token counts. Beyond the inputs it
+    holds the output, the gradients and working-size temporaries (see ``_LAVO``).
     """
     w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
-    b, h, n, d = q.shape
+    b, n = q.shape[0], q.shape[2]
     ct = compute_dtype(q)
     nw = -(-n // w)
     pad = nw * w - n
-    q_, k_, v_ = (F.pad(t.to(ct), (0, 0, 0, pad)) if pad else t.to(ct) for t in (q, k, v))
-    bases_, pos_bias_ = bases.to(ct), pos_bias.to(ct)
     valid = torch.arange(nw * w, device=q.device).expand(b, nw * w) < n
     if key_padding_mask is not None:
         valid = valid & ~F.pad(key_padding_mask, (0, pad), value=True)
-    q_ = q_ * (1.0 / math.sqrt(d))  # scales the local scores and the memory scores alike
-
     # padded keys need masking inside windows unless only causal queries past the end could see them
     masked = key_padding_mask is not None or (pad > 0 and not causal)
-    x = _local_attention(q_, k_, v_, pos_bias_, valid if masked else None, w, causal)
-    tok = valid.to(ct)
-    xv = x * tok[:, None, :, None] if pad or key_padding_mask is not None else x  # padded tokens dropped
-    qb = torch.einsum("bhnd,hrd->bhnr", q_, bases_)
-    r = bases.shape[1]
-    # sums of B x_t are only needed per window (causal) or in total: sum the x_t first, then apply B
-    # out = 0.5 (F_local + F_global) with memory, F_local without (then the mean is 0 and so is F_global)
-    if causal:
-        win_sum = torch.einsum("bhmd,hrd->bhmr", xv.view(b, h, nw, w, d).sum(3), bases_)
-        win_cnt = tok.view(b, nw, w).sum(2)
-        mem_sum = F.pad(win_sum.cumsum(2), (0, 0, 1, 0))[:, :, :-1]  # windows < m
-        mem_cnt = F.pad(win_cnt.cumsum(1), (1, 0))[:, :-1]  # (B,nw)
-        mean = mem_sum / mem_cnt.clamp_min(1)[:, None, :, None]  # H of eq. 3, (B,H,nw,r)
-        half_glob = _memory_readout(qb.view(b, h, nw, w, r), mean[:, :, :, None, :], bases_, 1.0, 0.5)
-        coef = torch.where(mem_cnt > 0, 0.5, 1.0).to(ct)[:, None, :, None, None]
-        out = torch.addcmul(half_glob, x.view(b, h, nw, w, d), coef).view(b, h, nw * w, d)
-    else:
-        cnt = tok.sum(1)  # (B,)
-        mean = torch.einsum("bhd,hrd->bhr", xv.sum(2), bases_) / cnt.clamp_min(1)[:, None, None]  # (B,H,r)
-        half_glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0, 0.5)
-        out = torch.addcmul(half_glob, x, torch.where(cnt > 0, 0.5, 1.0).to(ct)[:, None, None, None])
-    return (out[:, :, :n] if pad else out).to(q.dtype)
+    out = _LAVO.apply(q.to(ct), k.to(ct), v.to(ct), bases.to(ct), _band_bias(pos_bias.to(ct), w, causal),
+                      valid if masked else None, valid.to(ct), causal)
+    return out.to(q.dtype)
 
 
 def lavo_token_mixing(q: Tensor, k: Tensor, pos_bias: Tensor, *, window: int = 64, causal: bool = True,

@@ -9,9 +9,10 @@ Stabilisation (every shift cancels exactly between numerator and denominator):
   carries its own scalar shift g_j >= 0, and each query row is referenced to the running max of g
   over the keys it sees. No output depends on a future token, even through rounding.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import (Rows, allowed_keys, autocast_off, check_key_padding_mask, check_positive_int,
@@ -41,12 +42,6 @@ def _divide(o: Tensor) -> Tensor:
     return o[..., :-1] / o[..., -1:].clamp_min(_TINY)
 
 
-def _split_divide(o: Tensor):
-    """[numerator, denominator] -> (numerator / denominator, the clamped denominator (...,1))."""
-    den = o[..., -1:].clamp_min(_TINY)
-    return o[..., :-1] / den, den
-
-
 def _with_ones(v: Tensor) -> Tensor:
     """[v, 1]: the last column turns every value sum into the matching denominator sum."""
     return torch.cat([v, torch.ones_like(v[..., :1])], -1)
@@ -58,103 +53,99 @@ def _output_grad(grad: Tensor, out: Tensor, den: Tensor) -> Tensor:
     return torch.cat([gn, -(gn * out).sum(-1, keepdim=True)], -1)
 
 
-class _LLNNonCausal(torch.autograd.Function):
-    """out = phi_q S / phi_q z with S = sum_j phi_k(k_j) v_j^T, z = sum_j phi_k(k_j) (LLN eq. 8-9).
+# Rows of (B,H,rows,D) the fast paths process at a time: their temporaries are working-size, not N-size.
+_WORK_ELEMENTS = 1 << 20
+_MIN_PASSES = 16  # causal LLN: a group's temporaries stay a small fraction of an (N, D) tensor
 
-    The backward is written out (four matmuls) and keeps only phi_q, phi_k, [v, 1], S and the
-    output: autograd would store every elementwise intermediate. The shifts cancel exactly between
-    numerator and denominator, so they are constants for the gradient.
+
+def _work_rows(x: Tensor, multiple: int = 1) -> int:
+    """Rows per pass so that one (B,H,rows,D) temporary holds about ``_WORK_ELEMENTS`` values."""
+    b, h, _, d = x.shape
+    return max(1, _WORK_ELEMENTS // (b * h * d * multiple)) * multiple
+
+
+def _scaled_keys(k: Tensor, beta: Tensor, mask: Optional[Tensor], r0: int, r1: int) -> Tensor:
+    """beta k of rows [r0, r1), -inf on padded keys: a fresh (B,H,r1-r0,D) tensor."""
+    bk = torch.mul(k[:, :, r0:r1], beta)
+    if mask is not None:
+        bk.masked_fill_(mask[:, None, r0:r1, None], float("-inf"))
+    return bk
+
+
+def _query_features(q: Tensor, alpha: Tensor, shift: Tensor, r0: int, r1: int) -> Tensor:
+    """phi_q = exp(alpha q + shift - max_d) for rows [r0, r1) (LLN eq. 8, stabilised), in place on one temporary."""
+    a = torch.mul(q[:, :, r0:r1], alpha).add_(shift)
+    return a.sub_(a.amax(-1, keepdim=True)).exp_()
+
+
+def _key_shift(k: Tensor, beta: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """M_d = max over unpadded keys of beta k_jd (B,H,1,D), 0 where no key (beta > 0: max(beta k) = beta max k)."""
+    m = None
+    step = _work_rows(k)
+    for r0 in range(0, k.shape[2], step):
+        kk = k[:, :, r0:r0 + step]
+        if mask is not None:
+            kk = kk.masked_fill(mask[:, None, r0:r0 + step, None], float("-inf"))
+        part = kk.amax(2, keepdim=True)
+        m = part if m is None else torch.maximum(m, part)
+    return _finite_or_zero(m * beta)
+
+
+def _noncausal_forward(q, k, v, alpha, beta, mask, out):
+    """out = phi_q S / phi_q z with S = sum_j phi_k(k_j) v_j^T, z = sum_j phi_k(k_j) (LLN eq. 8-9), into ``out``.
+
+    Returns what the backward needs: the key shift m (B,H,1,D), S = [sum phi_k v^T, sum phi_k]
+    (B,H,D,Dv+1) and the denominators (B,H,N,1). The shifts cancel exactly between numerator and
+    denominator, so they are constants for the gradient.
     """
-
-    @staticmethod
-    def forward(ctx, aq: Tensor, bk: Tensor, v: Tensor) -> Tensor:
-        m = _finite_or_zero(bk.amax(2, keepdim=True))  # (B,H,1,D) per-feature key shift
-        fk = (bk - m).exp_()
-        v1 = _with_ones(v)
-        s = fk.transpose(-1, -2) @ v1  # (B,H,D,Dv+1): [sum_j phi_k v_j^T, sum_j phi_k]
-        a = aq + m
-        fq = a.sub_(a.amax(-1, keepdim=True)).exp_()
-        out, den = _split_divide(fq @ s)
-        ctx.save_for_backward(fq, fk, v1, s, den, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        fq, fk, v1, s, den, out = ctx.saved_tensors
-        go = _output_grad(grad, out, den)  # (B,H,N,Dv+1)
-        ds = fq.transpose(-1, -2) @ go
-        daq = (go @ s.transpose(-1, -2)).mul_(fq)
-        dbk = (v1 @ ds.transpose(-1, -2)).mul_(fk)
-        dv = fk @ ds[..., :-1]
-        return daq, dbk, dv
+    m = _key_shift(k, beta, mask)
+    s = None
+    step = _work_rows(k)
+    for r0 in range(0, k.shape[2], step):
+        fk = _scaled_keys(k, beta, mask, r0, r0 + step).sub_(m).exp_()
+        part = fk.transpose(-1, -2) @ _with_ones(v[:, :, r0:r0 + step])
+        s = part if s is None else s.add_(part)
+    den = q.new_empty(*q.shape[:3], 1)
+    step = _work_rows(q)
+    for r0 in range(0, q.shape[2], step):
+        _noncausal_rows(q, alpha, m, s, r0, r0 + step, den, out[:, :, r0:r0 + step])
+    return m, s, den
 
 
-def _lln_noncausal(aq: Tensor, bk: Tensor, v: Tensor) -> Tensor:
-    return _LLNNonCausal.apply(aq, bk, v)
+def _noncausal_rows(q, alpha, m, s, r0, r1, den, out):
+    """Rows [r0, r1) of the output (and of den unless None); returns their phi_q."""
+    fq = _query_features(q, alpha, m, r0, r1)
+    o = fq @ s
+    if den is not None:
+        torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r1])
+    torch.div(o[..., :-1], den[:, :, r0:r1] if den is not None else o[..., -1:].clamp_min(_TINY), out=out)
+    return fq
 
 
-def _chunk_shifts(bk: Tensor):
-    """Shifts of the chunked keys bk (B,H,nc,C,D) that use no future token (no gradient).
-
-    m_incl, m_prev (B,H,nc,D): per-feature max over chunks <= c and < c (0 when none);
-    decay (B,H,nc,D) rescales the state from m_prev[c] to m_incl[c] (= m_prev[c+1]);
-    g (B,H,nc,C): a key's excess over m_prev[c], rho (B,H,nc,C): the running max of g (per query).
-    """
-    m_incl = torch.cummax(bk.amax(3), dim=2).values
-    m_prev = torch.cat([torch.full_like(m_incl[:, :, :1], float("-inf")), m_incl[:, :, :-1]], 2)
-    decay = torch.where(torch.isfinite(m_prev), torch.exp(m_prev - _finite_or_zero(m_incl)), torch.zeros_like(m_prev))
-    m_incl, m_prev = _finite_or_zero(m_incl), _finite_or_zero(m_prev)
-    g = (bk - m_prev[:, :, :, None]).amax(-1).clamp_min(0)
-    rho = torch.cummax(g, dim=-1).values
-    return m_incl, m_prev, decay, g, rho
-
-
-class _LLNCausal(torch.autograd.Function):
-    """Chunked causal LLN on (B,H,nc,C,·) tensors with a hand-written backward.
-
-    Inside a chunk: W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (masked C×C product);
-    across chunks: the state S_c = sum over chunks < c of phi_k(k_j) [v_j, 1]^T, scanned with the
-    rescaling ``decay`` as the key shift grows (online-softmax style). Saves phi_q, phi_k (both
-    shifts), W, the states and the output: O(N (D + C) + (N/C) D Dv) memory.
-    """
-
-    @staticmethod
-    def forward(ctx, aq: Tensor, bk: Tensor, v: Tensor) -> Tensor:
-        m_incl, m_prev, decay, g, rho = _chunk_shifts(bk)
-        v1 = _with_ones(v)
-        fki = (bk - m_incl[:, :, :, None]).exp_()  # phi_k referenced to m_incl: builds the next state
-        u = fki.transpose(-1, -2) @ v1  # (B,H,nc,D,Dv+1): chunk c's contribution to S_(c+1)
-        _linear_scan_(u, decay.clone())  # u[c] <- S_(c+1) = S_c * decay_c + U_c
-        s = torch.zeros_like(u)
-        s[:, :, 1:] = u[:, :, :-1]  # the state before each chunk
-        a = aq + m_prev[:, :, :, None]
-        fq = a.sub_(a.amax(-1, keepdim=True)).exp_()
-        fk = (bk - m_prev[:, :, :, None] - g[..., None]).exp_()
-        e = _intra_scale(g, rho)
-        w = (fq @ fk.transpose(-1, -2)).mul_(e)  # (B,H,nc,C,C) intra-chunk weights
-        o = (fq * torch.exp(-rho)[..., None]) @ s
-        o += w @ v1
-        out, den = _split_divide(o)
-        ctx.save_for_backward(fq, fk, fki, w, e, v1, s, decay, rho, den, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        fq, fk, fki, w, e, v1, s, decay, rho, den, out = ctx.saved_tensors
-        go = _output_grad(grad, out, den)  # dL/d[numerator, denominator], (B,H,nc,C,Dv+1)
-        dp = (go @ v1.transpose(-1, -2)).mul_(e)  # dL/d(phi_q phi_k^T) inside chunks
-        dv1 = w.transpose(-1, -2) @ go
-        r = torch.exp(-rho)[..., None]
-        dfq = dp @ fk
-        dfq += (go @ s.transpose(-1, -2)).mul_(r)
-        dfk = dp.transpose(-1, -2) @ fq
-        ds = (fq * r).transpose(-1, -2) @ go  # (B,H,nc,D,Dv+1): dL/dS_c from chunk c's queries
-        _linear_scan_(ds, decay.clone(), reverse=True)  # total dL/dS_c = dS_c + decay_c * (total dL/dS_(c+1))
-        du = torch.zeros_like(ds)
-        du[:, :, :-1] = ds[:, :, 1:]  # U_c enters S_(c+1) onwards; the last chunk's U is unused
-        dv1 += fki @ du
-        dbk = dfk.mul_(fk).addcmul_(v1 @ du.transpose(-1, -2), fki)
-        return dfq.mul_(fq), dbk, dv1[..., :-1]
+def _noncausal_backward(q, k, v, alpha, beta, mask, state, out, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * non-causal LLN (four matmuls per pass); ``out`` None: rebuilt per pass."""
+    m, s, den = state
+    ds = None
+    step = _work_rows(q)
+    for r0 in range(0, q.shape[2], step):
+        r1 = r0 + step
+        if out is None:
+            o = q.new_empty(*grad[:, :, r0:r1].shape)
+            fq = _noncausal_rows(q, alpha, m, s, r0, r1, None, o)
+        else:
+            o, fq = out[:, :, r0:r1], _query_features(q, alpha, m, r0, r1)
+        go = _output_grad(grad[:, :, r0:r1], o, den[:, :, r0:r1])
+        if gscale != 1:
+            go.mul_(gscale)
+        part = fq.transpose(-1, -2) @ go  # dL/dS
+        ds = part if ds is None else ds.add_(part)
+        torch.mul((go @ s.transpose(-1, -2)).mul_(fq), alpha, out=dq[:, :, r0:r1])
+    step = _work_rows(k)
+    for r0 in range(0, k.shape[2], step):
+        r1 = r0 + step
+        fk = _scaled_keys(k, beta, mask, r0, r1).sub_(m).exp_()
+        torch.mul((_with_ones(v[:, :, r0:r1]) @ ds.transpose(-1, -2)).mul_(fk), beta, out=dk[:, :, r0:r1])
+        torch.matmul(fk, ds[..., :-1], out=dv[:, :, r0:r1])
 
 
 def _linear_scan_(x: Tensor, a: Tensor, reverse: bool = False) -> None:
@@ -194,18 +185,171 @@ def _intra_scale(g: Tensor, rho: Tensor) -> Tensor:
     return torch.exp((g[..., None, :] - rho[..., :, None]).masked_fill(~causal, float("-inf")))
 
 
-def _lln_causal(aq: Tensor, bk: Tensor, v: Tensor, chunk_size: int) -> Tensor:
-    b, h, n, d = aq.shape
-    c = min(chunk_size, n)
+def _rows(x: Tensor, c: int, r0: int, r1: int, value: float = 0.0) -> Tensor:
+    """Rows [r0, r1) of x (B,H,N,·) as (B,H,(r1-r0)/c,c,·) chunks, padded with ``value`` past the end (no copy otherwise)."""
+    part = x[:, :, r0:r1]
+    if part.shape[2] < r1 - r0:
+        part = torch.nn.functional.pad(part, (0, 0, 0, r1 - r0 - part.shape[2]), value=value)
+    return part.unflatten(2, (-1, c))
+
+
+def _chunk_shifts(k: Tensor, beta: Tensor, mask: Optional[Tensor], c: int, groups) -> Tuple[Tensor, Tensor, Tensor]:
+    """Key shifts of the chunks of c keys that use no future token (no gradient), (B,H,nc,D) each.
+
+    m_incl, m_prev: per-feature max of beta k over chunks <= c and < c (0 when none); decay rescales
+    the state from m_prev[c] to m_incl[c] (= m_prev[c+1]).
+    """
+    b, h, n, d = k.shape
+    top = k.new_empty(b, h, -(-n // c), d)
+    for g0, g1 in groups:
+        bk = _scaled_keys(k, beta, mask, g0 * c, g1 * c)
+        torch.amax(_rows(bk, c, 0, (g1 - g0) * c, float("-inf")), 3, out=top[:, :, g0:g1])
+    m_incl = torch.cummax(top, dim=2).values
+    m_prev = torch.cat([torch.full_like(m_incl[:, :, :1], float("-inf")), m_incl[:, :, :-1]], 2)
+    decay = torch.where(torch.isfinite(m_prev), torch.exp(m_prev - _finite_or_zero(m_incl)), torch.zeros_like(m_prev))
+    return _finite_or_zero(m_incl), _finite_or_zero(m_prev), decay
+
+
+def _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1):
+    """The features of chunks [g0, g1) (B,H,G,C,·): phi_q, phi_k referenced to m_prev and to m_incl,
+    [v, 1], the key excesses g, their running max rho and the intra-chunk scale e^(g_j - rho_i)."""
+    r0, r1 = g0 * c, g1 * c
+    mp, mi = m_prev[:, :, g0:g1, None], m_incl[:, :, g0:g1, None]
+    bk = _rows(_scaled_keys(k, beta, mask, r0, r1), c, 0, r1 - r0, float("-inf"))
+    fki = (bk - mi).exp_()  # builds the next state
+    bk.sub_(mp)
+    g = bk.amax(-1).clamp_min_(0)  # a key's excess over m_prev (its own scalar shift)
+    fk = bk.sub_(g[..., None]).exp_()
+    rho = torch.cummax(g, dim=-1).values  # per query: the largest shift among the keys it sees
+    a = _rows(torch.mul(q[:, :, r0:r1], alpha), c, 0, r1 - r0).add_(mp)
+    fq = a.sub_(a.amax(-1, keepdim=True)).exp_()
+    return fq, fk, fki, _rows(_with_ones(v[:, :, r0:r1]), c, 0, r1 - r0), g, rho, _intra_scale(g, rho)
+
+
+def _causal_forward(q, k, v, alpha, beta, mask, c, out):
+    """Chunked causal LLN into ``out``; returns (state, groups) for ``_causal_backward``.
+
+    Inside a chunk: W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (masked C×C product);
+    across chunks: the state S_c = sum over chunks < c of phi_k(k_j) [v_j, 1]^T, scanned with the
+    rescaling ``decay`` as the key shift grows (online-softmax style). Chunks are processed in groups
+    of working size, the scan carried from group to group. The state kept is S_c (B,H,nc+1,D,Dv+1),
+    the per-chunk shifts and the denominators; the backward rebuilds every feature.
+    """
+    b, h, n, d = q.shape
     nc = -(-n // c)
-    pad = nc * c - n
-    if pad:
-        aq = torch.nn.functional.pad(aq, (0, 0, 0, pad))
-        bk = torch.nn.functional.pad(bk, (0, 0, 0, pad), value=float("-inf"))
-        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
-    aq, bk, v = (t.reshape(b, h, nc, c, t.shape[-1]) for t in (aq, bk, v))
-    out = _LLNCausal.apply(aq, bk, v).reshape(b, h, nc * c, -1)
-    return out[:, :, :n] if pad else out
+    per = max(1, min(_work_rows(q, c), n // _MIN_PASSES) // c)
+    groups = [(g0, min(g0 + per, nc)) for g0 in range(0, nc, per)]
+    shifts = _chunk_shifts(k, beta, mask, c, groups)
+    s = q.new_empty(b, h, nc + 1, d, v.shape[-1] + 1)
+    s[:, :, 0] = 0
+    den = q.new_empty(b, h, n, 1)
+    for g0, g1 in groups:
+        _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den)
+    return (s, *shifts, den), groups
+
+
+def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, out, grad, gscale, dq, dk, dv) -> None:
+    """dq, dk, dv of ``gscale`` * causal LLN: the groups in reverse, carrying dL/dS (``out`` None: rebuilt)."""
+    s, m_incl, m_prev, decay, den = state
+    carry = torch.zeros_like(s[:, :, 0])  # total dL/dS of the first chunk after the group
+    for g0, g1 in reversed(groups):
+        carry = _causal_backward_group(q, k, v, alpha, beta, mask, (m_incl, m_prev, decay), c, g0, g1, s,
+                                       den, out, grad, gscale, carry, dq, dk, dv)
+
+
+class _LLN(torch.autograd.Function):
+    """LLN with a hand-written backward; q, k, v (B,H,N,·) in the compute dtype, alpha, beta
+    (B|1,H|1,1,1) constants, mask (B,S) or None. Saves only the inputs and the small state of
+    ``_noncausal_forward`` / ``_causal_forward`` and the output (the caller holds it anyway)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, beta, mask, causal: bool, c: int):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        if causal:
+            state, ctx.groups = _causal_forward(q, k, v, alpha, beta, mask, c, out)
+        else:
+            state = _noncausal_forward(q, k, v, alpha, beta, mask, out)
+        ctx.save_for_backward(q, k, v, alpha, beta, mask, out, *state)
+        ctx.causal, ctx.c = causal, c
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, alpha, beta, mask, out, *state = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if ctx.causal:
+            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, out, grad, 1, dq, dk, dv)
+        else:
+            _noncausal_backward(q, k, v, alpha, beta, mask, state, out, grad, 1, dq, dk, dv)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den) -> None:
+    """Chunks [g0, g1): their states S_(c+1) into s, their rows of out and den (temporaries die on return)."""
+    m_incl, m_prev, decay = shifts
+    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
+    torch.matmul(fki.transpose(-1, -2), v1, out=s[:, :, g0 + 1:g1 + 1])  # chunk c's term U_c of S_(c+1)
+    del fki
+    _linear_scan_(s[:, :, g0:g1 + 1], F.pad(decay[:, :, g0:g1], (0, 0, 1, 0)))  # S_(c+1) = S_c decay_c + U_c
+    o = (fq @ fk.transpose(-1, -2)).mul_(e) @ v1
+    o += fq.mul_(torch.exp(-rho)[..., None]) @ s[:, :, g0:g1]
+    o = o.flatten(2, 3)[:, :, :q.shape[2] - g0 * c]
+    r0, r1 = g0 * c, g0 * c + o.shape[2]
+    torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r1])
+    torch.div(o[..., :-1], den[:, :, r0:r1], out=out[:, :, r0:r1])
+
+
+def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, gscale, carry, dq, dk, dv):
+    """Chunks [g0, g1): their rows of dq, dk, dv; returns the total dL/dS_(g0) for the group before."""
+    m_incl, m_prev, decay = shifts
+    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
+    r0, r1 = g0 * c, min(g1 * c, q.shape[2])
+    r = torch.exp(-rho)[..., None]
+    wt = (fq @ fk.transpose(-1, -2)).mul_(e)
+    if out is None:  # the forward's [numerator, denominator], rebuilt
+        o = wt @ v1
+        o += (fq * r) @ s[:, :, g0:g1]
+        o = o.flatten(2, 3)[:, :, :r1 - r0]
+        go = _output_grad(grad[:, :, r0:r1], o[..., :-1] / den[:, :, r0:r1], den[:, :, r0:r1])
+        del o
+    else:
+        go = _output_grad(grad[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1])
+    if gscale != 1:
+        go.mul_(gscale)
+    go = _rows(go, c, 0, (g1 - g0) * c)
+    dv1 = wt.transpose(-1, -2) @ go  # through W
+    del wt
+    dp = (go @ v1.transpose(-1, -2)).mul_(e)  # dL/d(phi_q phi_k^T) inside chunks
+    del e
+    dfq = (go @ s[:, :, g0:g1].transpose(-1, -2)).mul_(r).add_(dp @ fk)
+    dfk = dp.transpose(-1, -2) @ fq
+    del dp
+    ds = torch.cat([(fq * r).transpose(-1, -2) @ go, carry[:, :, None]], 2)  # dL/dS_c from chunk c's queries
+    del go
+    _linear_scan_(ds, F.pad(decay[:, :, g0:g1], (0, 0, 0, 1)), reverse=True)  # + decay_c dL/dS_(c+1)
+    du = ds[:, :, 1:]  # U_c enters S_(c+1) onwards
+    torch.mul(dfq.mul_(fq).flatten(2, 3)[:, :, :r1 - r0], alpha, out=dq[:, :, r0:r1])
+    del dfq, fq
+    dv1 += fki @ du
+    dv[:, :, r0:r1] = dv1.flatten(2, 3)[:, :, :r1 - r0, :-1]
+    del dv1
+    dbk = dfk.mul_(fk).addcmul_(v1 @ du.transpose(-1, -2), fki)
+    torch.mul(dbk.flatten(2, 3)[:, :, :r1 - r0], beta, out=dk[:, :, r0:r1])
+    return ds[:, :, 0].clone()
+
+
+def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool):
+    """Validated (q, k, v, alpha, beta, mask) for the fast paths: tensors in the compute dtype, alpha and
+    beta (B|1,H|1,1,1) constants (learnt scales are folded into q and k, where autograd carries them)."""
+    check_qkv(q, k, v, same_length=causal)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    ct = compute_dtype(q)
+    alpha = check_positive_scale("alpha", alpha, q).to(ct)
+    beta = check_positive_scale("beta", beta, q).to(ct)
+    q_, k_, v_ = q.to(ct), k.to(ct), v.to(ct)
+    if alpha.requires_grad or beta.requires_grad:
+        q_, k_, alpha, beta = alpha * q_, beta * k_, torch.ones_like(alpha), torch.ones_like(beta)
+    return q_, k_, v_, alpha.detach(), beta.detach(), key_padding_mask
 
 
 @autocast_off
@@ -220,9 +364,8 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    aq, bk, v = _prepare(q, k, v, alpha, beta, key_padding_mask, same_length=causal)
-    out = _lln_causal(aq, bk, v, chunk_size) if causal else _lln_noncausal(aq, bk, v)
-    return out.to(q.dtype)
+    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)
+    return _LLN.apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)
 
 
 def lln_attention_weights(q: Tensor, k: Tensor, alpha, beta, *, causal: bool = False,

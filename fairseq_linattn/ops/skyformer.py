@@ -18,8 +18,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, select_rows
-from .kernelized import _prepare, check_non_causal, gaussian_kernel, kernelized_attention_reference
+from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
+                      select_rows)
+from .kernelized import check_non_causal, gaussian_kernel, kernel_scale, kernelized_attention_reference
 
 MODES = ("stratified", "uniform")
 GAMMA = 0.1  # ridge added to kappa(L, L) (Skyformer §4.4)
@@ -88,31 +89,149 @@ def newton_schulz_inverse(m_hat: Tensor, steps: int = NEWTON_STEPS) -> Tensor:
     return z
 
 
-def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exact_inverse, training, gamma):
-    """C_Q (B,H,N,d), M^-1 (B,H,d,d), C_K (B,H,N,d) in the compute dtype (padded key rows of C_K zero)."""
+_WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,d) working temporary
+
+
+def _kernel_rows(x: Tensor, scale: float, pad: Optional[Tensor], land: Tensor, used: Tensor, r0: int, r1: int,
+                 zero_padded: bool = False):
+    """(x_s, C) for rows [r0, r1): x_s = x * D^(-1/4) (0 on padded rows), C = kappa(x_s, L) * used (B,H,rows,d),
+    with zero rows for padded tokens if ``zero_padded`` (the keys)."""
+    xs = x[:, :, r0:r1] * scale
+    if pad is None:
+        return xs, gaussian_kernel(xs, land).mul_(used)
+    rows = pad[:, None, r0:r1, None]
+    c = gaussian_kernel(xs.masked_fill_(rows, 0.0), land).mul_(used)
+    return xs, c.masked_fill_(rows, 0.0) if zero_padded else c
+
+
+def _kernel_input_grad(dc: Tensor, c: Tensor, xs: Tensor, land: Tensor, dland: Tensor) -> Tensor:
+    """dL/dx_s from dL/dC, C = exp(x_s·L - |x_s|²/2 - |L|²/2) (Skyformer §4.1); adds dL/dL into dland.
+
+    dE = dC ⊙ C; dx_s = dE L - rowsum(dE) x_s, dL = dE^T x_s - colsum(dE) L.
+    """
+    de = dc.mul_(c)
+    dland += de.transpose(-1, -2) @ xs - de.sum(-2)[..., None] * land
+    return (de @ land).sub_(de.sum(-1, keepdim=True) * xs)
+
+
+class _NystromApply(torch.autograd.Function):
+    """out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) with C_Q = kappa(Q, L), C_K = kappa(K, L) built
+    pass by pass and rebuilt in backward; saves only the inputs, the landmarks L (B,H,d,D), M^-1 and the
+    (B,H,d,Dv) products T = C_K^T V, U = M^-T T. q, k, v (B,H,N,·) compute dtype unscaled (padded keys
+    0), idx (B,d) landmark rows of [Q; K], used (B,d) bool, pad (B,N) or None. The landmarks' gradient
+    (through C_Q, C_K and through M^-1, whose small graph is rebuilt) is added into the rows they came
+    from: no dense gradient of a gather."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, used, pad, gamma: float, exact_inverse: bool):
+        b, h, n, _ = q.shape
+        scale = kernel_scale(q)
+        land = _landmarks(q, k, idx, pad)
+        m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
+        used4 = used[:, None, None, :].to(q.dtype)
+        step = max(1, _WORK_ELEMENTS // (b * h * land.shape[2]))
+        t = None
+        for r0 in range(0, n, step):
+            _, ck = _kernel_rows(k, scale, pad, land, used4, r0, r0 + step, True)
+            vc = v[:, :, r0:r0 + step] if pad is None else v[:, :, r0:r0 + step].masked_fill(
+                pad[:, None, r0:r0 + step, None], 0.0)
+            part = ck.transpose(-1, -2) @ vc
+            t = part if t is None else t.add_(part)
+        u = m_inv.transpose(-1, -2) @ t
+        out = q.new_empty(b, h, n, v.shape[-1])
+        for r0 in range(0, n, step):
+            torch.matmul(_kernel_rows(q, scale, pad, land, used4, r0, r0 + step)[1], u, out=out[:, :, r0:r0 + step])
+        ctx.save_for_backward(q, k, v, idx, used, pad, land, m_inv, t, u)
+        ctx.gamma, ctx.exact, ctx.step = gamma, exact_inverse, step
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, idx, used, pad, land, m_inv, t, u = ctx.saved_tensors
+        scale, step, (b, h, n, dim) = kernel_scale(q), ctx.step, q.shape
+        used4 = used[:, None, None, :].to(q.dtype)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dland, du = torch.zeros_like(land), None
+        for r0 in range(0, n, step):
+            r1 = r0 + step
+            qs, cq = _kernel_rows(q, scale, pad, land, used4, r0, r1)
+            g = grad[:, :, r0:r1]
+            part = cq.transpose(-1, -2) @ g
+            du = part if du is None else du.add_(part)
+            dqs = _kernel_input_grad(g @ u.transpose(-1, -2), cq, qs, land, dland)
+            torch.mul(dqs, scale, out=dq[:, :, r0:r1])
+        dt = m_inv @ du
+        for r0 in range(0, n, step):
+            r1 = r0 + step
+            ks, ck = _kernel_rows(k, scale, pad, land, used4, r0, r1, True)
+            vc = v[:, :, r0:r1] if pad is None else v[:, :, r0:r1].masked_fill(pad[:, None, r0:r1, None], 0.0)
+            torch.matmul(ck, dt, out=dv[:, :, r0:r1])
+            dks = _kernel_input_grad(vc @ dt.transpose(-1, -2), ck, ks, land, dland)
+            torch.mul(dks, scale, out=dk[:, :, r0:r1])
+        with torch.enable_grad():  # through M^-1 = f(kappa(L, L)): a (d×d) graph, rebuilt
+            lg = land.detach().requires_grad_()
+            dland += torch.autograd.grad(_kernel_inverse(lg, used, ctx.gamma, ctx.exact), lg,
+                                         t @ du.transpose(-1, -2))[0]  # dL/dM^-1 = T dU^T
+        dland.mul_(scale)
+        if pad is not None:
+            dland.masked_fill_(pad.gather(1, idx % n)[:, None, :, None], 0.0)
+        from_q = (idx < n)[:, None, :, None]
+        rows = lambda i: i[:, None, :, None].expand(b, h, idx.shape[1], dim)
+        dq.scatter_add_(2, rows(idx.clamp_max(n - 1)), dland * from_q)
+        dk.scatter_add_(2, rows((idx - n).clamp_min(0)), dland * ~from_q)
+        if pad is not None:
+            for x in (dq, dk, dv):
+                x.masked_fill_(pad[:, None, :, None], 0.0)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D).
+
+    Padded rows count as 0 (an unused slot may point at one).
+    """
     b, h, n, dim = q.shape
-    qs, ks, _ = _prepare(q, k, k, key_padding_mask)
-    if key_padding_mask is None:
-        valid = torch.ones(b, n, dtype=torch.bool, device=q.device)
-    else:
-        valid = ~key_padding_mask
-        qs = qs.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # unused landmark slots may point here
-    idx, used = _landmark_indices(valid, num_landmarks, mode, generator, training)
-    x = torch.cat([qs, ks], dim=2)  # X = [Q; K] (eq. 4)
-    land = x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], dim))  # (B,H,d,D)
-    used4 = used[:, None, None, :]  # unused slots get zero kernel columns
-    c_q = gaussian_kernel(qs, land) * used4
-    c_k = gaussian_kernel(ks, land) * used4
+    m = idx.shape[1]
+    pick = lambda x, i: x.gather(2, i[:, None, :, None].expand(b, h, m, dim))
+    land = torch.where((idx < n)[:, None, :, None], pick(q, idx.clamp_max(n - 1)), pick(k, (idx - n).clamp_min(0)))
+    land = land * kernel_scale(q)
     if key_padding_mask is not None:
-        c_k = c_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    eye = torch.eye(idx.shape[1], dtype=qs.dtype, device=q.device)
-    keep = (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()  # unused slots: inert identity block
+        land = land.masked_fill(key_padding_mask.gather(1, idx % n)[:, None, :, None], 0.0)
+    return land
+
+
+def _kernel_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tensor:
+    """M^-1 (B,H,d,d) for M = kappa(L, L) + gamma I (Skyformer §4.4); unused slots an inert identity block."""
+    eye = torch.eye(used.shape[1], dtype=land.dtype, device=land.device)
+    keep = (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()
     m = gaussian_kernel(land, land) * keep + gamma * eye  # M = kappa(L, L) + gamma I
     if exact_inverse:
-        return c_q, torch.linalg.pinv(m, hermitian=True), c_k
+        return torch.linalg.pinv(m, hermitian=True)
     d_inv_sqrt = m.sum(-1).rsqrt()  # D_M = diag(M 1) > 0: every entry of M is positive
     m_hat = m * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
-    m_inv = newton_schulz_inverse(m_hat) * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
+    return newton_schulz_inverse(m_hat) * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
+
+
+def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training):
+    """(q, k in the compute dtype (padded keys 0), landmark rows idx (B,d) of [Q; K], used (B,d) bool)."""
+    b, _, n, _ = q.shape
+    ct = compute_dtype(q)
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    idx, used = _landmark_indices(valid, num_landmarks, mode, generator, training)
+    q_, k_ = q.to(ct), k.to(ct)
+    if key_padding_mask is not None:
+        k_ = k_.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # whatever padded keys hold (even inf)
+    return q_, k_, idx, used
+
+
+def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exact_inverse, training, gamma):
+    """C_Q (B,H,N,d), M^-1 (B,H,d,d), C_K (B,H,N,d) in the compute dtype (padded key rows of C_K zero)."""
+    q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
+    land = _landmarks(q_, k_, idx, key_padding_mask)
+    m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
+    scale, used4 = kernel_scale(q), used[:, None, None, :]
+    _, c_q = _kernel_rows(q_, scale, key_padding_mask, land, used4, 0, q.shape[2])
+    _, c_k = _kernel_rows(k_, scale, key_padding_mask, land, used4, 0, q.shape[2], True)
     return c_q, m_inv, c_k
 
 
@@ -127,11 +246,10 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
     Half inputs compute in float32 (the iteration needs it) and return the input dtype.
     """
     key_padding_mask = _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma)
-    c_q, m_inv, c_k = _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator,
-                                       exact_inverse, training, gamma)
-    _, _, v = _prepare(q, k, v, key_padding_mask)
+    q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
-    return (c_q @ (m_inv.transpose(-1, -2) @ (c_k.transpose(-1, -2) @ v))).to(q.dtype)
+    out = _NystromApply.apply(q_, k_, v.to(q_.dtype), idx, used, key_padding_mask, gamma, exact_inverse)
+    return out.to(q.dtype)
 
 
 def skyformer_kernel_matrix(q: Tensor, k: Tensor, *, num_landmarks: int = 128,

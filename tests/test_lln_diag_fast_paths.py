@@ -1,0 +1,49 @@
+"""LLN+Diag (average, one fused op) and block softmax fast paths: reference and float64 gradcheck,
+also with one block / one chunk per working pass."""
+import pytest
+import torch
+
+from fairseq_linattn import ops
+from fairseq_linattn.ops import block_softmax as bs_mod
+from fairseq_linattn.ops import lln as lln_mod
+from conftest import padding_mask
+
+
+@pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])
+def passes(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 1)
+        monkeypatch.setattr(bs_mod, "_WORK_ELEMENTS", 1)
+
+
+def _inputs(gen, b=2, h=2, n=11, d=3, dv=2):
+    q, k = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, torch.randn(b, h, n, dv, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_lln_diag_average_matches_reference(gen, passes, causal, padded):
+    q, k, v = _inputs(gen, n=13)
+    mask = padding_mask(2, 13, "right", gen) if padded else None
+    out = ops.lln_diag_attention(q, k, v, 1.3, 0.8, causal=causal, key_padding_mask=mask, block_size=4, chunk_size=2)
+    ref = ops.lln_diag_attention_reference(q, k, v, 1.3, 0.8, causal=causal, key_padding_mask=mask, block_size=4)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_diag_average_gradcheck_float64(gen, passes, causal):
+    q, k, v = (t.requires_grad_() for t in _inputs(gen, b=2, h=1, n=7))
+    mask = padding_mask(2, 7, "left", gen)
+    fn = lambda q, k, v: ops.lln_diag_attention(q, k, v, 1.2, 0.9, causal=causal, key_padding_mask=mask,
+                                                block_size=3, chunk_size=2)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_block_softmax_gradcheck_float64(gen, passes, causal, padded):
+    q, k, v = (t.requires_grad_() for t in _inputs(gen, b=2, h=1, n=8))
+    mask = padding_mask(2, 8, "left", gen) if padded else None
+    fn = lambda q, k, v: ops.block_softmax_attention(q, k, v, block_size=3, causal=causal, key_padding_mask=mask)
+    assert torch.autograd.gradcheck(fn, (q, k, v))

@@ -1,0 +1,49 @@
+"""LLN fast paths processed in several working-size passes (groups of chunks): reference and gradcheck."""
+import pytest
+import torch
+
+from fairseq_linattn import ops
+from fairseq_linattn.ops import lln as lln_mod
+from conftest import padding_mask
+
+
+@pytest.fixture
+def small_passes(monkeypatch):
+    """One row (non-causal) or one chunk (causal) per pass: every pass boundary and carry is exercised."""
+    monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 1)
+
+
+def _inputs(gen, b=2, h=3, n=23, d=4, dv=5):
+    q, k = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, torch.randn(b, h, n, dv, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_lln_in_many_passes_matches_reference(gen, small_passes, causal, side):
+    q, k, v = _inputs(gen)
+    mask = padding_mask(2, 23, side, gen)
+    alpha = torch.rand(1, 3, 1, 1, generator=gen, dtype=torch.float64) + 0.5
+    out = ops.lln_attention(q, k, v, alpha, 0.7, causal=causal, key_padding_mask=mask, chunk_size=2)
+    ref = ops.lln_attention_reference(q, k, v, alpha, 0.7, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,chunk_size", [(7, 2)])
+def test_lln_gradcheck_float64_in_many_passes(gen, small_passes, causal, n, chunk_size):
+    q, k, v = (t.requires_grad_() for t in _inputs(gen, b=2, h=2, n=n, d=2, dv=2))
+    mask = padding_mask(2, n, "right", gen)
+    alpha = torch.tensor([1.3, 0.8], dtype=torch.float64)[None, :, None, None]
+    fn = lambda q, k, v: ops.lln_attention(q, k, v, alpha, 0.9, causal=causal, key_padding_mask=mask,
+                                           chunk_size=chunk_size)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lln_learnt_scales_get_gradients(gen, causal):
+    q, k, v = _inputs(gen, b=1, h=2, n=9)
+    alpha = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
+    beta = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b: ops.lln_attention(q, k, v, a, b, causal=causal, chunk_size=4)
+    assert torch.autograd.gradcheck(fn, (alpha, beta))
