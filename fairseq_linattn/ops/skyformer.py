@@ -93,15 +93,20 @@ _WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,d) working temporary
 
 
 def _kernel_rows(x: Tensor, scale: float, pad: Optional[Tensor], land: Tensor, used: Tensor, r0: int, r1: int,
-                 zero_padded: bool = False):
+                 zero_padded: bool = False, inplace: bool = True):
     """(x_s, C) for rows [r0, r1): x_s = x * D^(-1/4) (0 on padded rows), C = kappa(x_s, L) * used (B,H,rows,d),
-    with zero rows for padded tokens if ``zero_padded`` (the keys)."""
+    with zero rows for padded tokens if ``zero_padded`` (the keys). ``inplace=False`` where autograd records."""
     xs = x[:, :, r0:r1] * scale
     if pad is None:
-        return xs, gaussian_kernel(xs, land).mul_(used)
+        c = gaussian_kernel(xs, land)
+        return xs, c.mul_(used) if inplace else c * used
     rows = pad[:, None, r0:r1, None]
-    c = gaussian_kernel(xs.masked_fill_(rows, 0.0), land).mul_(used)
-    return xs, c.masked_fill_(rows, 0.0) if zero_padded else c
+    xs = xs.masked_fill_(rows, 0.0) if inplace else xs.masked_fill(rows, 0.0)
+    c = gaussian_kernel(xs, land)
+    c = c.mul_(used) if inplace else c * used
+    if not zero_padded:
+        return xs, c
+    return xs, c.masked_fill_(rows, 0.0) if inplace else c.masked_fill(rows, 0.0)
 
 
 def _kernel_input_grad(dc: Tensor, c: Tensor, xs: Tensor, land: Tensor, dland: Tensor) -> Tensor:
@@ -230,8 +235,8 @@ def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exa
     land = _landmarks(q_, k_, idx, key_padding_mask)
     m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
     scale, used4 = kernel_scale(q), used[:, None, None, :]
-    _, c_q = _kernel_rows(q_, scale, key_padding_mask, land, used4, 0, q.shape[2])
-    _, c_k = _kernel_rows(k_, scale, key_padding_mask, land, used4, 0, q.shape[2], True)
+    _, c_q = _kernel_rows(q_, scale, key_padding_mask, land, used4, 0, q.shape[2], inplace=False)
+    _, c_k = _kernel_rows(k_, scale, key_padding_mask, land, used4, 0, q.shape[2], True, inplace=False)
     return c_q, m_inv, c_k
 
 
