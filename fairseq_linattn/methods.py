@@ -121,7 +121,8 @@ LAVO_OPTIONS = (
 )
 
 
-# -- FLOPs: matmul FLOPs of one forward per (batch, head); a multiply-add is 2 FLOPs --------------
+# -- FLOPs: matmul FLOPs of one forward per (batch, head); a multiply-add is 2 FLOPs; exp, softmax and
+# masks are left out (fairseq_linattn/benchmark/flops.py); a backward costs two matmuls per forward one -
 def _lln_flops(n: int, d: int, causal: bool, cfg) -> float:
     if not causal:  # S = phi_k^T [V, 1] and phi_q S (LLN eq. 8-9)
         return 4 * n * d * (d + 1)

@@ -24,10 +24,13 @@ sys.path.insert(0, str(ROOT))
 
 from fairseq_linattn import ops  # noqa: E402
 from fairseq_linattn.benchmark import cli, flops, measure, report, sweep  # noqa: E402
+from fairseq_linattn.methods import METHODS as REGISTRY, methods_for  # noqa: E402
 
-METHODS = ("softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "kernelized")
-CAUSAL = {"softmax", "lln", "lln_diag", "block_softmax", "lavo"}
-LINEAR = ("lln", "lln_diag", "block_softmax", "lavo", "skyformer")
+# the registry's methods with an op of their own, and block softmax (LLN+Diag's Diag part) beside them
+METHODS = tuple(m for m in REGISTRY) + ("block_softmax",)
+CAUSAL = set(methods_for("decoder")) | {"block_softmax"}
+QUADRATIC = ("softmax", "kernelized")  # the exact N×N methods: every other one is plotted as linear
+LINEAR = tuple(m for m in METHODS if m not in QUADRATIC)
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
 # issue 15: peak memory above the inputs against SDPA's (same N, same causality)
 MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,

@@ -39,12 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fairseq_linattn.benchmark import cli, fairseq_models, measure, report, sweep  # noqa: E402
+from fairseq_linattn.methods import methods_for  # noqa: E402
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
-ENCODER_METHODS = ("softmax", "lln", "lln_diag", "skyformer", "kernelized", "lavo")
-DECODER_METHODS = ("softmax", "lln", "lln_diag", "lavo")
-CROSS_METHODS = ("softmax", "lavo")
+ENCODER_METHODS, DECODER_METHODS, CROSS_METHODS = (methods_for(role) for role in ("encoder", "decoder", "cross"))
 PARTS = ("train", "decode", "cross")
 QUICK = dict(train_sizes=[32], decode_contexts=[16, 32], train_arch="linattn_roberta_tiny",
              decode_arch="linattn_lm_tiny", cross_sources=[16, 64],
