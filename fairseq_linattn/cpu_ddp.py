@@ -13,7 +13,8 @@ stderr naming the rank; Ctrl-C stops every rank.
 
     python -m fairseq_linattn.cpu_ddp --nproc 2 -- DATA --task ... (any fairseq-train arguments)
 
-Each rank reads its own shard of every batch, as under GPU DDP; the global batch is
+The ranks run with glibc keeping freed memory (``fairseq_linattn/malloc.py``; an environment that sets
+``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` keeps its own). Each rank reads its own shard of every batch, as under GPU DDP; the global batch is
 nproc × --batch-size × --update-freq. On GPUs use fairseq's own launch (``--distributed-world-size``
 or ``torchrun ... fairseq-train``): this module is for CPU tests and CPU-only machines.
 """
@@ -28,6 +29,8 @@ import sys
 import threading
 import time
 from typing import List, Optional, Sequence
+
+from .malloc import keeping_freed_memory
 
 
 def free_port() -> int:
@@ -167,7 +170,8 @@ def main(argv=None) -> int:
                       or shutil.which("fairseq-train"))
         if executable is None:
             parser.error("fairseq-train is not on PATH (is fairseq installed in this environment?)")
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    env = keeping_freed_memory({**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                                "MKL_NUM_THREADS": str(args.threads)})
     port = free_port()
     commands = [rank_command(train_args, r, args.nproc, port, executable) for r in range(args.nproc)]
     return launch(commands, env, grace=args.grace)

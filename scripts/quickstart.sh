@@ -15,7 +15,8 @@ On the CPU, with the KJV samples in data/ (configs/quickstart.yaml; about 5-10 m
      2x its training context;
   5. write RUN/REPORT.md (tables), loss_curves.png, ppl_vs_context.png; TensorBoard logs in RUN.
 Environment: RUN [runs/quickstart] (emptied first), FAST=1 (a few updates per run: a smoke test),
-SAMPLE_DATA, OMP_NUM_THREADS [1]. Each step runs the GPU recipe scripts with DEVICE=cpu SAMPLE=1.
+SAMPLE_DATA, OMP_NUM_THREADS [1]. Each step runs the GPU recipe scripts with DEVICE=cpu SAMPLE=1
+(which also has glibc keep freed memory: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ [2^40]).
 USAGE
     exit 0;;
   "") ;;

@@ -251,3 +251,20 @@ def test_a_forward_left_out_of_the_statistics_folds_nothing_into_the_ema(gen):
     assert bool(torch.isfinite(alpha).all() and torch.isfinite(beta).all())
     ema(2 * q, 2 * k, mask)  # outside: folded in again
     assert not torch.equal(ema.ema_var_q, buffers[0])
+
+
+def test_ranks_run_with_glibc_keeping_freed_memory(tmp_path):
+    script = tmp_path / "env_rank.py"
+    script.write_text("import os, sys\n"
+                      "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]\n"
+                      f"open({str(tmp_path)!r} + f'/rank{{rank}}.env', 'w').write("
+                      "os.environ.get('MALLOC_MMAP_THRESHOLD_', '') + ' ' + os.environ.get('MALLOC_TRIM_THRESHOLD_', ''))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(MALLOC_TRIM_THRESHOLD_="4096",  # the user's own setting is kept
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+                           f"{sys.executable} {script}", "--", "DATA"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.env").read_text() == f"{2 ** 40} 4096"

@@ -593,3 +593,23 @@ def test_encoding_with_several_workers_gives_the_same_lines(tmp_path):
     one = (tmp_path / "one.txt").read_text().splitlines()
     assert (tmp_path / "two.txt").read_text().splitlines() == one
     assert len(one) == len(src.read_text().splitlines()) and one[0] == "" and one[1].startswith("\u2581=")
+
+
+@pytest.mark.parametrize("device, preset, expected", [("cpu", None, str(2 ** 40)), ("cpu", "65536", "65536"),
+                                                      ("gpu", None, "")])
+def test_cpu_recipes_have_glibc_keep_freed_memory_unless_the_user_says_otherwise(device, preset, expected):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["DEVICE"] = device
+    if preset is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = preset
+    out = subprocess.run(["bash", "-c", f"source {ROOT}/scripts/recipe_lib.sh; echo \"$MALLOC_MMAP_THRESHOLD_\";"
+                          " bash -c 'echo \"$MALLOC_TRIM_THRESHOLD_\"'"], env=env, capture_output=True, text=True)
+    mmap, trim = out.stdout.splitlines()
+    assert mmap == expected and trim == ("" if device == "gpu" else str(2 ** 40))  # exported to child processes
+
+
+def test_cpu_ddp_ranks_keep_freed_memory_unless_the_user_says_otherwise():
+    from fairseq_linattn.malloc import KEEP_FREED_MEMORY, keeping_freed_memory
+
+    assert keeping_freed_memory({"A": "1"}) == {"A": "1", **KEEP_FREED_MEMORY}
+    assert keeping_freed_memory({"MALLOC_TRIM_THRESHOLD_": "7"})["MALLOC_TRIM_THRESHOLD_"] == "7"

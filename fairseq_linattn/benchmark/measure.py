@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..malloc import KEEP_FREED_MEMORY
+
 
 def elapsed_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Wall-clock seconds of one ``fn()`` (CUDA: between two events, waiting for the second)."""
@@ -65,12 +67,8 @@ def matmul_flops_per_second(device: torch.device, dtype: torch.dtype = torch.flo
     return 2 * size ** 3 / best
 
 
-# glibc returns every block above its mmap threshold (at most 32 MiB) to the OS when it is freed, so
-# each large temporary is page-faulted in again on its next allocation (at N=16384 a causal LAVO call
-# took ~400K faults, 40% of its time). A GPU's caching allocator keeps freed blocks; so does glibc
-# with these two settings, read once at process start (the effect PyTorch's CPU tuning guides get
-# from jemalloc/tcmalloc). Applied to every method alike, SDPA included.
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 40), "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
+# --malloc keep: fairseq_linattn/malloc.py (the effect PyTorch's CPU tuning guides get from jemalloc/tcmalloc),
+# applied to every method alike, SDPA included
 
 
 def restart_keeping_freed_memory(argv: Sequence[str]) -> None:
