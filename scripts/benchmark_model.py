@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fairseq_linattn.benchmark import cli, fairseq_models, measure, report, sweep  # noqa: E402
+from fairseq_linattn.benchmark import cli, fairseq_models, fit, measure, report, sweep  # noqa: E402
 from fairseq_linattn.methods import methods_for  # noqa: E402
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--point-seconds", type=float, default=90.0)
     p.add_argument("--time-budget", type=float, default=300.0, help="seconds per update / token")
     p.add_argument("--memory-budget-gib", type=float, default=10.0)
+    p.add_argument("--fit-budget-gib", type=float, default=20.0,
+                   help="report the longest N whose update (parameters, Adam state, peak) fits in this much")
     p.add_argument("--no-memory", action="store_true")
     cli.add_output_arguments(p, "model", DEFAULT_JSON, DEFAULT_PLOT)
     return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
@@ -288,6 +290,29 @@ def targets(res: dict) -> list:
     return out
 
 
+def longest_update_table(res: dict) -> str:
+    """Per method, the longest N whose whole update (parameters, Adam state and the update's peak) fits in
+    ``--fit-budget-gib``, from a fit of the measured points (``fit.longest_n``)."""
+    c = res["config"]
+    budget = c.get("fit_budget_gib", 20.0) * 2 ** 30
+    lines = [f"**Longest N whose update fits in {budget / 2 ** 30:g} GiB** (parameters + Adam state + the update's "
+             "peak, tensor bytes; fitted linearly through the two longest measured N, quadratically through all "
+             "of them for softmax with attention dropout, which keeps N × N probabilities)", "",
+             "| method | update at the longest measured N | longest N (fit) | power of two |", "|---|---|---|---|"]
+    for method, rows in res["train"]["points"].items():
+        ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+        if len(ok) < 2:
+            lines.append(f"| {method} | n/a | n/a (fewer than 2 measured N) | |")
+            continue
+        totals = [r["peak_bytes"] + r["state_bytes"] for r in ok]
+        f = fit.longest_n([r["n"] for r in ok], totals, budget,
+                          quadratic=method == "softmax" and c["attention_dropout"] > 0)
+        longest = f"{f['n_max']:,.0f}" if f["grid_max"] else "n/a (memory does not grow with N)"
+        lines.append(f"| {method} | {totals[-1] / 2 ** 30:.2f} GiB at {ok[-1]['n']} | {longest} "
+                     f"| {f['grid_max'] or ''} |")
+    return "\n".join(lines)
+
+
 def render(res: dict, image: str) -> str:
     c = res["config"]
     parts = [report.machine_lines(res["machine"], res["load_start"]) +
@@ -303,6 +328,7 @@ def render(res: dict, image: str) -> str:
         parts.append("**Peak memory of an update above parameters + Adam state (MiB)**\n\n" +
                      report.table(pts, sizes, lambda r: None if r.get("peak_bytes") is None
                                   else f"{r['peak_bytes'] / report.MiB:.0f}"))
+        parts.append(longest_update_table(res))
     if "decode" in res:
         pts = res["decode"]["points"]
         ctx = c["decode_contexts"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fairseq_linattn.benchmark import fit
 from fairseq_linattn.reproduce import claims, common, decoding, ledger, lln_distribution, quickstart, skyformer_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,11 +189,23 @@ def test_a_claim_holds_when_its_numbers_agree_with_the_paper(records, claim_id):
 def test_polyfit_recovers_a_quadratic_and_longest_fitting_inverts_it():
     coef = [1.5e9, 2e5, 300.0]
     ns = [512, 1024, 1536, 2048]
-    fit = claims.polyfit(ns, [coef[0] + coef[1] * n + coef[2] * n * n for n in ns], 2)
-    assert fit == pytest.approx(coef, rel=1e-6)
-    n_max = claims.longest_fitting(fit, 24 * 2 ** 30)
+    coef_fit = fit.polyfit(ns, [coef[0] + coef[1] * n + coef[2] * n * n for n in ns], 2)
+    assert coef_fit == pytest.approx(coef, rel=1e-6)
+    n_max = fit.longest_fitting(coef_fit, 24 * 2 ** 30)
     assert coef[0] + coef[1] * n_max + coef[2] * n_max ** 2 == pytest.approx(24 * 2 ** 30, rel=1e-9)
-    assert claims.longest_fitting([1e9, 1e6], 2e9) == pytest.approx(1000)
+    assert fit.longest_fitting([1e9, 1e6], 2e9) == pytest.approx(1000)
+
+
+def test_longest_n_fits_the_two_longest_sizes_linearly_and_every_size_quadratically():
+    ns = [1024, 2048, 4096]
+    linear = [3e9, 1e9 + 1e6 * 2048, 1e9 + 1e6 * 4096]  # the shortest point is off the line: not fitted
+    f = fit.longest_n(ns, linear, 2e9, quadratic=False)
+    assert f["used"] == [2048, 4096] and f["n_max"] == pytest.approx(1000)
+    assert f["grid_max"] == 512 and f["residual"] == pytest.approx(0, abs=1e-9)
+    quad = [1e9 + 10 * n * n for n in ns]
+    f = fit.longest_n(ns, quad, 2e9, quadratic=True)
+    assert f["used"] == ns and f["n_max"] == pytest.approx(1e4, rel=1e-6)
+    assert math.isinf(fit.longest_n(ns, [3e9, 2e9, 1e9], 2e9, quadratic=False)["n_max"])
 
 
 def test_power_exponent_of_a_power_law():

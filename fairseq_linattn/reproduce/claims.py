@@ -10,6 +10,7 @@ holds a measured number: every "ours" and every "holds" is computed from the rec
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..benchmark.fit import longest_n
 from ..recipes import paper_results as pr
 
 GiB = 2 ** 30
@@ -200,45 +201,21 @@ def power_exponent(ns: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ls)) / sum((x - mx) ** 2 for x in xs)
 
 
-def polyfit(ns: Sequence[float], ys: Sequence[float], degree: int) -> List[float]:
-    """Least-squares coefficients c0, c1, ... of y = sum c_i n^i, each point weighted by 1/y (relative error)."""
-    import torch
-
-    n = torch.tensor([float(x) for x in ns], dtype=torch.float64) / 1024
-    y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
-    a = torch.stack([n ** i for i in range(degree + 1)], dim=1) / y[:, None]
-    coef = torch.linalg.lstsq(a, torch.ones_like(y)[:, None]).solution[:, 0]
-    return [c.item() / 1024 ** i for i, c in enumerate(coef)]
-
-
-def longest_fitting(coef: Sequence[float], budget: float) -> float:
-    """The largest N > 0 with sum c_i N^i <= budget (coefficients of degree 1 or 2, increasing in N)."""
-    c = list(coef) + [0.0] * (3 - len(coef))
-    c0, c1, c2 = c[0] - budget, c[1], c[2]
-    if abs(c2) < 1e-30:
-        return -c0 / c1
-    return (-c1 + math.sqrt(c1 * c1 - 4 * c2 * c0)) / (2 * c2)
-
-
 def memory_fit(rec: Dict, method: str, dropout: Optional[float]) -> Dict:
     """Fit total update memory against N: quadratic through every point when the attention stores N x N
     probabilities (softmax with dropout), else linear through the two longest measured N."""
     pts = _cost_points(rec, method, dropout)
     quadratic = method == "softmax" and dropout
-    use = pts if quadratic else pts[-2:]
-    coef = polyfit([p["n"] for p in use], [p["total_bytes"] for p in use], 2 if quadratic else 1)
-    residual = max(abs(sum(c * p["n"] ** i for i, c in enumerate(coef)) / p["total_bytes"] - 1) for p in pts
-                   if p["n"] >= use[0]["n"])
-    n_max = longest_fitting(coef, MEMORY_BUDGET)
-    return {"coef": coef, "n_max": n_max, "grid_max": 2 ** int(math.floor(math.log2(n_max))),
-            "measured": [p["n"] for p in pts], "largest": pts[-1], "residual": residual,
-            "sources": sorted({p["source"] for p in use}), "quadratic": bool(quadratic)}
+    fit = longest_n([p["n"] for p in pts], [p["total_bytes"] for p in pts], MEMORY_BUDGET, bool(quadratic))
+    used = [p for p in pts if p["n"] in fit["used"]]
+    return {**fit, "measured": [p["n"] for p in pts], "largest": pts[-1],
+            "sources": sorted({p["source"] for p in used}), "quadratic": bool(quadratic)}
 
 
 def _fit_text(name: str, f: Dict) -> str:
     kind = "quadratic" if f["quadratic"] else "linear"
     return (f"{name}: ≈ {f['n_max']:,.0f} tokens ({kind} fit to N = "
-            f"{', '.join(str(n) for n in f['measured'] if n >= (f['measured'][0] if f['quadratic'] else f['measured'][-2]))}, "
+            f"{', '.join(str(n) for n in f['used'])}, "
             f"largest measured {f['largest']['total_bytes'] / GiB:.1f} GiB at {f['largest']['n']})")
 
 
