@@ -47,3 +47,25 @@ def test_lln_learnt_scales_get_gradients(gen, causal):
     beta = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
     fn = lambda a, b: ops.lln_attention(q, k, v, a, b, causal=causal, chunk_size=4)
     assert torch.autograd.gradcheck(fn, (alpha, beta))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, monkeypatch, side):
+    # b*h*d*c = 48 values per row: 144 -> groups of 3 chunks of 2; N = 99 gives 16 such groups, then a
+    # shorter last group of 2 chunks whose last chunk has 1 row (the working buffers are reused at a smaller size)
+    monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 144)
+
+    class Poisoned(lln_mod._Scratch):  # every buffer handed out holds NaN: each must be written before it is read
+        def __call__(self, name, *shape):
+            return super().__call__(name, *shape).fill_(float("nan"))
+    monkeypatch.setattr(lln_mod, "_Scratch", Poisoned)
+    q, k, v = (t.requires_grad_() for t in _inputs(gen, n=99))
+    mask = padding_mask(2, 99, side, gen)
+    alpha = torch.tensor([1.3, 0.8, 1.1], dtype=torch.float64)[None, :, None, None]
+    grad = torch.randn(2, 3, 99, 5, generator=gen, dtype=torch.float64)
+    outs = [f(q, k, v, alpha, 0.6, causal=True, key_padding_mask=mask, chunk_size=2)
+            for f in (ops.lln_attention, ops.lln_attention_reference)]
+    grads = [torch.autograd.grad(o, (q, k, v), grad) for o in outs]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-10)
+    for fast, ref in zip(*grads):
+        torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)

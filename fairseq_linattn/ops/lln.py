@@ -9,6 +9,7 @@ Stabilisation (every shift cancels exactly between numerator and denominator):
   carries its own scalar shift g_j >= 0, and each query row is referenced to the running max of g
   over the keys it sees. No output depends on a future token, even through rounding.
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -178,19 +179,41 @@ def _linear_scan_(x: Tensor, a: Tensor, reverse: bool = False) -> None:
         combine(3 * span - 1, 2 * span, span)
 
 
-def _intra_scale(g: Tensor, rho: Tensor) -> Tensor:
-    """e^(g_j - rho_i) for j <= i inside each chunk, else 0: (B,H,nc,C) -> (B,H,nc,C,C)."""
-    c = g.shape[-1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=g.device).tril()
-    return torch.exp((g[..., None, :] - rho[..., :, None]).masked_fill(~causal, float("-inf")))
+class _Scratch:
+    """The working buffers of one pass over the groups of chunks, reused by every group: each is allocated
+    (and page-faulted) once per pass instead of once per group (glibc hands freed blocks back to the
+    system above its trim threshold, so a fresh temporary per group costs page faults every time)."""
+
+    def __init__(self, like: Tensor):
+        self.like, self.buffers = like, {}
+
+    def __call__(self, name: str, *shape: int) -> Tensor:
+        """An uninitialised contiguous tensor of ``shape``: the same memory on every call with ``name``."""
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = self.like.new_empty(numel)
+        return buf[:numel].view(shape)
 
 
-def _rows(x: Tensor, c: int, r0: int, r1: int, value: float = 0.0) -> Tensor:
-    """Rows [r0, r1) of x (B,H,N,·) as (B,H,(r1-r0)/c,c,·) chunks, padded with ``value`` past the end (no copy otherwise)."""
-    part = x[:, :, r0:r1]
-    if part.shape[2] < r1 - r0:
-        part = torch.nn.functional.pad(part, (0, 0, 0, r1 - r0 - part.shape[2]), value=value)
-    return part.unflatten(2, (-1, c))
+def _group_rows(buf: Tensor, x: Tensor, scale: Optional[Tensor], r0: int, c: int, fill: float) -> Tensor:
+    """buf (B,H,R,·) <- rows [r0, r0+R) of x (times ``scale``), ``fill`` past the end; as (B,H,R/c,c,·) chunks."""
+    m = min(buf.shape[2], x.shape[2] - r0)
+    if scale is None:
+        buf[:, :, :m] = x[:, :, r0:r0 + m]
+    else:
+        torch.mul(x[:, :, r0:r0 + m], scale, out=buf[:, :, :m])
+    buf[:, :, m:] = fill
+    return buf.unflatten(2, (-1, c))
+
+
+def _scaled_key_chunks(buf: Tensor, k: Tensor, beta: Tensor, mask: Optional[Tensor], r0: int, c: int) -> Tensor:
+    """beta k of the rows of ``buf`` from r0 as chunks, -inf on padded keys and past the end."""
+    bk = _group_rows(buf, k, beta, r0, c, float("-inf"))
+    if mask is not None:
+        m = min(buf.shape[2], k.shape[2] - r0)
+        buf[:, :, :m].masked_fill_(mask[:, None, r0:r0 + m, None], float("-inf"))
+    return bk
 
 
 def _chunk_shifts(k: Tensor, beta: Tensor, mask: Optional[Tensor], c: int, groups) -> Tuple[Tensor, Tensor, Tensor]:
@@ -201,29 +224,37 @@ def _chunk_shifts(k: Tensor, beta: Tensor, mask: Optional[Tensor], c: int, group
     """
     b, h, n, d = k.shape
     top = k.new_empty(b, h, -(-n // c), d)
+    ws = _Scratch(k)
     for g0, g1 in groups:
-        bk = _scaled_keys(k, beta, mask, g0 * c, g1 * c)
-        torch.amax(_rows(bk, c, 0, (g1 - g0) * c, float("-inf")), 3, out=top[:, :, g0:g1])
+        bk = _scaled_key_chunks(ws("bk", b, h, (g1 - g0) * c, d), k, beta, mask, g0 * c, c)
+        torch.amax(bk, 3, out=top[:, :, g0:g1])
     m_incl = torch.cummax(top, dim=2).values
     m_prev = torch.cat([torch.full_like(m_incl[:, :, :1], float("-inf")), m_incl[:, :, :-1]], 2)
     decay = torch.where(torch.isfinite(m_prev), torch.exp(m_prev - _finite_or_zero(m_incl)), torch.zeros_like(m_prev))
     return _finite_or_zero(m_incl), _finite_or_zero(m_prev), decay
 
 
-def _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1):
-    """The features of chunks [g0, g1) (B,H,G,C,·): phi_q, phi_k referenced to m_prev and to m_incl,
-    [v, 1], the key excesses g, their running max rho and the intra-chunk scale e^(g_j - rho_i)."""
-    r0, r1 = g0 * c, g1 * c
+def _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1, ws: _Scratch):
+    """The features of chunks [g0, g1) (B,H,G,C,·) in ``ws``'s buffers: phi_q, phi_k referenced to m_prev
+    and to m_incl, [v, 1], the key excesses g, their running max rho and the intra-chunk scale
+    e^(g_j - rho_i) for j <= i (0 above the diagonal)."""
+    b, h, _, d = q.shape
+    rows = (g1 - g0) * c
     mp, mi = m_prev[:, :, g0:g1, None], m_incl[:, :, g0:g1, None]
-    bk = _rows(_scaled_keys(k, beta, mask, r0, r1), c, 0, r1 - r0, float("-inf"))
-    fki = (bk - mi).exp_()  # builds the next state
+    bk = _scaled_key_chunks(ws("bk", b, h, rows, d), k, beta, mask, g0 * c, c)
+    fki = torch.sub(bk, mi, out=ws("fki", *bk.shape)).exp_()  # builds the next state
     bk.sub_(mp)
     g = bk.amax(-1).clamp_min_(0)  # a key's excess over m_prev (its own scalar shift)
     fk = bk.sub_(g[..., None]).exp_()
     rho = torch.cummax(g, dim=-1).values  # per query: the largest shift among the keys it sees
-    a = _rows(torch.mul(q[:, :, r0:r1], alpha), c, 0, r1 - r0).add_(mp)
+    a = _group_rows(ws("fq", b, h, rows, d), q, alpha, g0 * c, c, 0.0).add_(mp)
     fq = a.sub_(a.amax(-1, keepdim=True)).exp_()
-    return fq, fk, fki, _rows(_with_ones(v[:, :, r0:r1]), c, 0, r1 - r0), g, rho, _intra_scale(g, rho)
+    v1 = ws("v1", b, h, rows, v.shape[-1] + 1)
+    v1[..., -1] = 1  # [v, 1]: the last column turns every value sum into the matching denominator sum
+    _group_rows(v1[..., :-1], v, None, g0 * c, c, 0.0)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    e = torch.sub(g[..., None, :], rho[..., :, None], out=ws("e", *g.shape, c)).masked_fill_(~causal, float("-inf"))
+    return fq, fk, fki, v1.unflatten(2, (-1, c)), g, rho, e.exp_()
 
 
 def _causal_forward(q, k, v, alpha, beta, mask, c, out):
@@ -232,8 +263,9 @@ def _causal_forward(q, k, v, alpha, beta, mask, c, out):
     Inside a chunk: W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (masked C×C product);
     across chunks: the state S_c = sum over chunks < c of phi_k(k_j) [v_j, 1]^T, scanned with the
     rescaling ``decay`` as the key shift grows (online-softmax style). Chunks are processed in groups
-    of working size, the scan carried from group to group. The state kept is S_c (B,H,nc+1,D,Dv+1),
-    the per-chunk shifts and the denominators; the backward rebuilds every feature.
+    of working size, the scan carried from group to group, every group in the same working buffers.
+    The state kept is S_c (B,H,nc+1,D,Dv+1), the per-chunk shifts and the denominators; the backward
+    rebuilds every feature.
     """
     b, h, n, d = q.shape
     nc = -(-n // c)
@@ -243,8 +275,9 @@ def _causal_forward(q, k, v, alpha, beta, mask, c, out):
     s = q.new_empty(b, h, nc + 1, d, v.shape[-1] + 1)
     s[:, :, 0] = 0
     den = q.new_empty(b, h, n, 1)
+    ws = _Scratch(q)
     for g0, g1 in groups:
-        _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den)
+        _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den, ws)
     return (s, *shifts, den), groups
 
 
@@ -252,9 +285,10 @@ def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, out, grad, gs
     """dq, dk, dv of ``gscale`` * causal LLN: the groups in reverse, carrying dL/dS (``out`` None: rebuilt)."""
     s, m_incl, m_prev, decay, den = state
     carry = torch.zeros_like(s[:, :, 0])  # total dL/dS of the first chunk after the group
+    ws = _Scratch(q)
     for g0, g1 in reversed(groups):
         carry = _causal_backward_group(q, k, v, alpha, beta, mask, (m_incl, m_prev, decay), c, g0, g1, s,
-                                       den, out, grad, gscale, carry, dq, dk, dv)
+                                       den, out, grad, gscale, carry, dq, dk, dv, ws)
 
 
 class _LLN(torch.autograd.Function):
@@ -284,56 +318,76 @@ class _LLN(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den) -> None:
-    """Chunks [g0, g1): their states S_(c+1) into s, their rows of out and den (temporaries die on return)."""
+def _intra_weights(fq, fk, e, ws: _Scratch) -> Tensor:
+    """W = phi_q phi_k^T e^(g_j - rho_i), j <= i, inside each chunk of a group (B,H,G,C,C)."""
+    return torch.matmul(fq, fk.transpose(-1, -2), out=ws("w", *e.shape)).mul_(e)
+
+
+def _group_numerator(w, v1, fqr, s_prev, ws: _Scratch) -> Tensor:
+    """[numerator, denominator] of a group's queries (B,H,G,C,Dv+1): W [v, 1] inside the chunks, plus
+    phi_q e^(-rho) S_c from the chunks before (``fqr`` = phi_q e^(-rho))."""
+    o = torch.matmul(w, v1, out=ws("o", *v1.shape))
+    return o.add_(torch.matmul(fqr, s_prev, out=ws("o_state", *v1.shape)))
+
+
+def _states_before(s: Tensor, g0: int, g1: int, ws: _Scratch) -> Tensor:
+    """S_c of chunks [g0, g1) (B,H,G,D,Dv+1), copied into a working buffer (a matmul would copy the strided slice
+    into a fresh temporary)."""
+    return ws("s_prev", *s[:, :, g0:g1].shape).copy_(s[:, :, g0:g1])
+
+
+def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out, den, ws) -> None:
+    """Chunks [g0, g1): their states S_(c+1) into s, their rows of out and den."""
     m_incl, m_prev, decay = shifts
-    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
-    torch.matmul(fki.transpose(-1, -2), v1, out=s[:, :, g0 + 1:g1 + 1])  # chunk c's term U_c of S_(c+1)
-    del fki
+    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1, ws)
+    s[:, :, g0 + 1:g1 + 1] = torch.matmul(fki.transpose(-1, -2), v1, out=ws("s_prev", *s[:, :, g0:g1].shape))  # U_c
     _linear_scan_(s[:, :, g0:g1 + 1], F.pad(decay[:, :, g0:g1], (0, 0, 1, 0)))  # S_(c+1) = S_c decay_c + U_c
-    o = (fq @ fk.transpose(-1, -2)).mul_(e) @ v1
-    o += fq.mul_(torch.exp(-rho)[..., None]) @ s[:, :, g0:g1]
+    fqr = torch.mul(fq, torch.exp(-rho)[..., None], out=ws("fqr", *fq.shape))
+    o = _group_numerator(_intra_weights(fq, fk, e, ws), v1, fqr, _states_before(s, g0, g1, ws), ws)
     o = o.flatten(2, 3)[:, :, :q.shape[2] - g0 * c]
     r0, r1 = g0 * c, g0 * c + o.shape[2]
     torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r1])
     torch.div(o[..., :-1], den[:, :, r0:r1], out=out[:, :, r0:r1])
 
 
-def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, gscale, carry, dq, dk, dv):
+def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, gscale, carry, dq, dk, dv,
+                           ws):
     """Chunks [g0, g1): their rows of dq, dk, dv; returns the total dL/dS_(g0) for the group before."""
     m_incl, m_prev, decay = shifts
-    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1)
+    fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1, ws)
     r0, r1 = g0 * c, min(g1 * c, q.shape[2])
     r = torch.exp(-rho)[..., None]
-    wt = (fq @ fk.transpose(-1, -2)).mul_(e)
-    if out is None:  # the forward's [numerator, denominator], rebuilt
-        o = wt @ v1
-        o += (fq * r) @ s[:, :, g0:g1]
-        o = o.flatten(2, 3)[:, :, :r1 - r0]
-        go = _output_grad(grad[:, :, r0:r1], o[..., :-1] / den[:, :, r0:r1], den[:, :, r0:r1])
-        del o
+    fqr = torch.mul(fq, r, out=ws("fqr", *fq.shape))
+    wt = _intra_weights(fq, fk, e, ws)
+    s_prev = _states_before(s, g0, g1, ws)
+    if out is None:  # the forward's output, rebuilt: numerator / denominator
+        o = _group_numerator(wt, v1, fqr, s_prev, ws).flatten(2, 3)[:, :, :r1 - r0]
+        o_out = o[..., :-1].div_(den[:, :, r0:r1])
     else:
-        go = _output_grad(grad[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1])
+        o_out = out[:, :, r0:r1]
+    # working buffers shared by values whose lifetimes do not overlap (memory: issue 15): go in o_state (read
+    # only to build o), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
+    go = ws("o_state", *v1.shape).flatten(2, 3)  # dL/d[numerator, denominator], 0 past the end
+    gn = torch.div(grad[:, :, r0:r1], den[:, :, r0:r1], out=go[:, :, :r1 - r0, :-1])
+    go[:, :, :r1 - r0, -1:] = -(gn[..., None, :] @ o_out[..., :, None])[..., 0]
+    go[:, :, r1 - r0:] = 0
     if gscale != 1:
         go.mul_(gscale)
-    go = _rows(go, c, 0, (g1 - g0) * c)
-    dv1 = wt.transpose(-1, -2) @ go  # through W
-    del wt
-    dp = (go @ v1.transpose(-1, -2)).mul_(e)  # dL/d(phi_q phi_k^T) inside chunks
-    del e
-    dfq = (go @ s[:, :, g0:g1].transpose(-1, -2)).mul_(r).add_(dp @ fk)
-    dfk = dp.transpose(-1, -2) @ fq
-    del dp
-    ds = torch.cat([(fq * r).transpose(-1, -2) @ go, carry[:, :, None]], 2)  # dL/dS_c from chunk c's queries
-    del go
+    go = go.unflatten(2, (-1, c))
+    dv1 = torch.matmul(wt.transpose(-1, -2), go, out=ws("dv1", *v1.shape))  # through W
+    dp = torch.matmul(go, v1.transpose(-1, -2), out=wt).mul_(e)  # dL/d(phi_q phi_k^T) inside chunks (W's buffer)
+    dfq = torch.matmul(go, s_prev.transpose(-1, -2), out=ws("dfq", *fq.shape)).mul_(r)
+    dfq.add_(torch.matmul(dp, fk, out=ws("prod", *fq.shape)))
+    ds = ws("ds", *carry.shape[:2], g1 - g0 + 1, *carry.shape[2:])  # dL/dS_c from chunk c's queries, then carry
+    ds[:, :, :-1] = torch.matmul(fqr.transpose(-1, -2), go, out=ws("o", *ds[:, :, :-1].shape))
+    ds[:, :, -1] = carry
     _linear_scan_(ds, F.pad(decay[:, :, g0:g1], (0, 0, 0, 1)), reverse=True)  # + decay_c dL/dS_(c+1)
-    du = ds[:, :, 1:]  # U_c enters S_(c+1) onwards
+    du = ws("s_prev", *s_prev.shape).copy_(ds[:, :, 1:])  # U_c enters S_(c+1) onwards
+    dfk = torch.matmul(dp.transpose(-1, -2), fq, out=ws("fqr", *fk.shape))
     torch.mul(dfq.mul_(fq).flatten(2, 3)[:, :, :r1 - r0], alpha, out=dq[:, :, r0:r1])
-    del dfq, fq
-    dv1 += fki @ du
+    dv1.add_(torch.matmul(fki, du, out=ws("o", *v1.shape)))
     dv[:, :, r0:r1] = dv1.flatten(2, 3)[:, :, :r1 - r0, :-1]
-    del dv1
-    dbk = dfk.mul_(fk).addcmul_(v1 @ du.transpose(-1, -2), fki)
+    dbk = dfk.mul_(fk).addcmul_(torch.matmul(v1, du.transpose(-1, -2), out=ws("prod", *fk.shape)), fki)
     torch.mul(dbk.flatten(2, 3)[:, :, :r1 - r0], beta, out=dk[:, :, r0:r1])
     return ds[:, :, 0].clone()
 
