@@ -65,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--memory-budget-gib", type=float, default=8.0, help="a method stops above this peak")
     p.add_argument("--no-memory", action="store_true", help="skip the (profiled) memory measurement")
     p.add_argument("--fit-range", type=int, nargs=2, default=[4096, 32768], help="N range of the exponents")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure each series in a process of its own (with --malloc both: its keep times right "
+                        "after it), so that no other op's allocations, and no drift of the machine between the "
+                        "two allocators' runs, enter its times")
     cli.add_output_arguments(p, "attention", DEFAULT_JSON, DEFAULT_PLOT, malloc_default="both")
     return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
 
@@ -118,18 +122,41 @@ def series_name(method: str, causal: bool) -> str:
     return f"{method} causal" if causal else method
 
 
+def series_list(args):
+    """(name, method, causal) of every series the arguments ask for."""
+    return [(series_name(m, mode == "causal"), m, mode == "causal") for mode in args.modes for m in args.methods
+            if mode != "causal" or m in CAUSAL]
+
+
+def measure_isolated(args) -> dict:
+    """Each series measured by a child process of this script (``--isolate``), the results merged."""
+    base = cli.child_argv(sys.argv[1:], cli._OUTPUTS + ("--methods", "--modes"), ("--isolate",))
+    parts = []
+    for name, method, causal in series_list(args):
+        print(f"[isolate] {name}", flush=True)
+        parts.append(cli.run_child(base + ["--malloc", args.malloc, "--methods", method,
+                                           "--modes", "causal" if causal else "non-causal"]))
+    rates = {}
+    for part in parts:
+        for n, rate in part["matmul_flops"].items():
+            rates.setdefault(n, []).append(rate)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"config": config, "machine": parts[0]["machine"], "load_start": parts[0]["load_start"],
+            "load_end": parts[-1]["load_end"], "series": {k: v for p in parts for k, v in p["series"].items()},
+            "points": {k: v for p in parts for k, v in p["points"].items()},
+            "matmul_flops": {n: sorted(r)[len(r) // 2] for n, r in rates.items()}}
+
+
 def measure_all(args) -> dict:
+    if args.isolate:
+        return measure_isolated(args)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     cases, meta = {}, {}
-    for mode in args.modes:
-        causal = mode == "causal"
-        for method in args.methods:
-            if causal and method not in CAUSAL:
-                continue
-            cases[series_name(method, causal)] = case(method, causal, args)
-            meta[series_name(method, causal)] = {"method": method, "causal": causal}
+    for name, method, causal in series_list(args):
+        cases[name] = case(method, causal, args)
+        meta[name] = {"method": method, "causal": causal}
     load = measure.load_average()
     machine = measure.machine_info(device)
     result = sweep.run(cases, args.sizes, device, setup=lambda n: make_inputs(n, args, device, dtype),

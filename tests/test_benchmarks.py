@@ -64,6 +64,27 @@ def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_
 
 
 @pytest.mark.slow
+def test_attention_benchmark_isolates_each_series_with_its_own_keep_times(tmp_path):
+    res, _, doc = run_script("benchmark_attention", tmp_path, "--isolate", "--methods", "softmax", "lln",
+                             "--modes", "causal")
+    assert set(res["points"]) == {"softmax causal", "lln causal"}
+    assert res["series"]["lln causal"] == {"method": "lln", "causal": True}
+    assert not any(all_ok(res["points"]).values()) and set(res["matmul_flops"]) == {"64", "128"}
+    if platform.libc_ver()[0] == "glibc":
+        assert all(r["keep_median_s"] > 0 for rows in res["points"].values() for r in rows)
+    assert "| lln causal |" in doc.read_text()
+
+
+def test_child_argv_drops_options_with_all_their_values():
+    from fairseq_linattn.benchmark.cli import child_argv
+
+    argv = ["--sizes", "64", "128", "--methods", "softmax", "lln", "--isolate", "--json", "x.json",
+            "--docs=d.md", "--quick", "--fit-range", "4", "8"]
+    assert child_argv(argv, ("--methods", "--json", "--docs"), ("--isolate",)) == \
+        ["--sizes", "64", "128", "--quick", "--fit-range", "4", "8"]
+
+
+@pytest.mark.slow
 def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     res, plot, doc = run_script("benchmark_model", tmp_path)
     assert set(res["train"]["points"]) == {"softmax", "lln", "lln_diag", "skyformer", "lavo"}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 from . import measure, report
 
@@ -52,7 +52,8 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
         res = json.loads(args.from_json.read_text())
     else:
         res = measure_all(args)
-        if args.malloc == "both" and argv is None:  # a script's own process (the child re-runs sys.argv)
+        if args.malloc == "both" and argv is None and "malloc_second_column" not in res["machine"]:
+            # a script's own process (the child re-runs sys.argv); isolated series bring their own keep times
             merge_keep_times(res, _measure_keep(sys.argv[1:]))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -68,25 +69,35 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
         print(f"updated {args.docs}")
 
 
-_CHILD_DROPS = {"--malloc", "--json", "--plot", "--docs", "--section"}
+_OUTPUTS = ("--malloc", "--json", "--plot", "--docs", "--section")
+
+
+def child_argv(argv: Sequence[str], drop: Sequence[str], drop_flags: Sequence[str] = ()) -> List[str]:
+    """``argv`` without the options ``drop`` (each with its values, up to the next ``--option``) and the
+    flags ``drop_flags``."""
+    rest, skip = [], False
+    for tok in argv:
+        if tok.startswith("--"):
+            skip = tok in drop
+            if skip or tok.split("=", 1)[0] in drop or tok in drop_flags:
+                continue
+        if not skip:
+            rest.append(tok)
+    return rest
+
+
+def run_child(args: Sequence[str], env: Optional[dict] = None) -> dict:
+    """Run this script with ``args`` (plus its own --json and --plot in a temporary folder); its results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        cmd = [sys.executable, sys.argv[0], *args, "--json", str(out), "--plot", str(Path(tmp) / "child.png")]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        return json.loads(out.read_text())
 
 
 def _measure_keep(argv: list) -> dict:
     """Run this script again (same options, no memory, no outputs) under ``--malloc keep``; its results."""
-    rest, skip = [], False
-    for tok in argv:
-        if skip:
-            skip = False
-        elif tok in _CHILD_DROPS:
-            skip = True
-        elif tok.split("=", 1)[0] not in _CHILD_DROPS:
-            rest.append(tok)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "keep.json"
-        cmd = [sys.executable, sys.argv[0], *rest, "--malloc", "keep", "--no-memory", "--json", str(out),
-               "--plot", str(Path(tmp) / "keep.png")]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **measure.KEEP_FREED_MEMORY})
-        return json.loads(out.read_text())
+    return run_child(child_argv(argv, _OUTPUTS) + ["--malloc", "keep", "--no-memory"], measure.KEEP_FREED_MEMORY)
 
 
 def merge_keep_times(res: dict, keep: dict) -> None:
