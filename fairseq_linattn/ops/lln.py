@@ -48,10 +48,12 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], -1)
 
 
-def _output_grad(grad: Tensor, out: Tensor, den: Tensor) -> Tensor:
-    """dL/d[numerator, denominator] from dL/d(out), out = numerator / den."""
-    gn = grad / den
-    return torch.cat([gn, -(gn * out).sum(-1, keepdim=True)], -1)
+def _output_grad(grad: Tensor, out: Tensor, den: Tensor, buf: Optional[Tensor] = None) -> Tensor:
+    """dL/d[numerator, denominator] (B,H,R,Dv+1) from dL/d(out), out = numerator / den; into ``buf`` if given."""
+    buf = grad.new_empty(*grad.shape[:-1], grad.shape[-1] + 1) if buf is None else buf
+    gn = torch.div(grad, den, out=buf[..., :-1])
+    buf[..., -1:] = -(gn[..., None, :] @ out[..., :, None])[..., 0]
+    return buf
 
 
 # Rows of (B,H,rows,D) the fast paths process at a time: their temporaries are working-size, not N-size.
@@ -368,8 +370,7 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
     # working buffers shared by values whose lifetimes do not overlap (memory: issue 15): go in o_state (read
     # only to build o), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
     go = ws("o_state", *v1.shape).flatten(2, 3)  # dL/d[numerator, denominator], 0 past the end
-    gn = torch.div(grad[:, :, r0:r1], den[:, :, r0:r1], out=go[:, :, :r1 - r0, :-1])
-    go[:, :, :r1 - r0, -1:] = -(gn[..., None, :] @ o_out[..., :, None])[..., 0]
+    _output_grad(grad[:, :, r0:r1], o_out, den[:, :, r0:r1], go[:, :, :r1 - r0])
     go[:, :, r1 - r0:] = 0
     if gscale != 1:
         go.mul_(gscale)
