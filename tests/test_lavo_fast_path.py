@@ -43,3 +43,31 @@ def test_lavo_gradcheck_float64_in_many_passes(gen, one_window_per_pass, causal,
     mask = _mask(2, 8) if padded else None
     assert torch.autograd.gradcheck(
         lambda *a: ops.lavo_attention(*a, window=3, causal=causal, key_padding_mask=mask), args)
+
+
+# Group shapes of ops/_windows.py at w = 3, D = 4 and N = 12 or 14 (4 or 5 windows a head): one window, two
+# windows of one head (a group's first window reads the window before it from the group before), whole heads
+# (window 0 of a head sits right after the previous head's last window, 2 × 3 heads: across the batch too).
+GROUP_WORK = {"one-window": 1, "two-windows": 2 * 3 * 4, "whole-heads": 1 << 20}
+
+
+@pytest.mark.parametrize("work", GROUP_WORK)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("n", [12, 14])
+def test_lavo_every_group_shape_and_layout_matches_reference(gen, monkeypatch, work, layout, causal, padded, n):
+    monkeypatch.setattr(lavo_mod, "_WORK_ELEMENTS", GROUP_WORK[work])
+    q, k, v, bases, pos_bias = _inputs(gen, 2, 3, n, 4, 3, 2)
+    if layout == "permuted":  # fairseq's (T, B, H, D) projections seen as (B, H, T, D): no row is contiguous
+        q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (q, k, v))
+    q, k, v, bases, pos_bias = (t.requires_grad_() for t in (q, k, v, bases, pos_bias))
+    mask = _mask(2, n) if padded else None
+    out = ops.lavo_attention(q, k, v, bases, pos_bias, window=3, causal=causal, key_padding_mask=mask)
+    ref = ops.lavo_attention_reference(q, k, v, bases, pos_bias, window=3, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    g = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v, bases, pos_bias), g)
+    refs = torch.autograd.grad(ref, (q, k, v, bases, pos_bias), g)
+    for got, want in zip(grads, refs):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)

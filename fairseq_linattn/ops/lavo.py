@@ -22,6 +22,8 @@ from torch import Tensor
 
 from ._checks import (Rows, autocast_off, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
                       masked_softmax, select_rows)
+from ._windows import (Group, bmm_rows, flat_heads, group_rows, rows_view, scaled_bmm, store_rows, window_groups,
+                       window_pairs)
 
 
 def lavo_init_bases(num_heads: int, num_bases: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
@@ -83,60 +85,75 @@ def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_s
     return out.view(*qb.shape[:-1], bases.shape[-1])
 
 
-_WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,D) working temporary
-_MIN_PASSES = 16  # so that a pass's temporaries stay a small fraction of an (N, D) tensor
+_WORK_ELEMENTS = 1 << 20  # values in one (rows, D) working temporary
 
 
-def _span(x: Tensor, w: int, r0: int, r1: int) -> Tensor:
-    """Rows [r0, r1) of x (B,H,N,C) as windows (B,H,(r1-r0)/w,w,C); zero rows outside [0, N)."""
-    lo, hi = max(r0, 0), min(r1, x.shape[2])
-    part = x[:, :, lo:hi]
-    if lo > r0 or hi < r1:
-        part = F.pad(part, (0, 0, lo - r0, r1 - hi))
-    return part.unflatten(2, (-1, w))
+class _Layout:
+    """What every pass of ``_LAVO`` reads: the inputs with heads flattened (B·H, N, ·), per-head parameters
+    repeated over the batch, the window groups (``_windows``), and the window softmax of a group."""
 
+    def __init__(self, q, k, v, bases, bias, valid, tok, causal: bool):
+        b, h, _, d = q.shape
+        self.w, self.causal, self.scale = bias.shape[1], causal, 1.0 / math.sqrt(d)
+        self.q, self.k, self.v = flat_heads(q), flat_heads(k), flat_heads(v)
+        self.bases, self.bias = bases.repeat(b, 1, 1), bias.repeat(b, 1, 1)  # (B·H, r, D), (B·H, w, K)
+        self.valid = None if valid is None else valid.repeat_interleave(h, 0)[..., None]  # (B·H, nw*w, 1)
+        self.tok = tok.repeat_interleave(h, 0)[..., None]
+        self.groups = window_groups(b * h, q.shape[2], self.w, d, _WORK_ELEMENTS)
 
-def _keys_seen(x: Tensor, w: int, f0: int, f1: int, causal: bool) -> Tensor:
-    """Keys (or values) seen by windows [f0, f1): (B,H,G,2w,C) previous+own window if causal, else (B,H,G,w,C)."""
-    if not causal:
-        return _span(x, w, f0 * w, f1 * w)
-    both = _span(x, w, (f0 - 1) * w, f1 * w)
-    return torch.cat([both[:, :, :-1], both[:, :, 1:]], 3)
+    def seen(self, x3: Tensor, g: Group, fill=0) -> Tensor:
+        """Keys (values, valid flags) seen by the windows of g: (F,2w,C) [previous, own] window if causal, else (F,w,C)."""
+        rows = group_rows(x3, g, self.w, context=self.causal, fill=fill)
+        return window_pairs(rows) if self.causal else rows
 
+    def local_probs(self, g: Group):
+        """Window softmax of g (LAVO §3.2-3.3): p (F,w,K), has_key (F,w,1) or None, the queries (F,w,D) unscaled."""
+        w = self.w
+        qw = group_rows(self.q, g, w)
+        scores = scaled_bmm(qw, self.seen(self.k, g).transpose(1, 2), self.scale)
+        per_head = scores.view(g.heads, g.windows, w, -1)
+        per_head.add_(self.bias[g.h0:g.h1, None])
+        if self.causal and g.f0 == 0:
+            per_head[:, 0, :, :w] = float("-inf")  # a head's window 0 has no previous window
+        has_key = None
+        if self.valid is not None:
+            key_valid = self.seen(self.valid, g, fill=False).reshape(g.heads, g.windows, 1, -1)
+            allowed = torch.isfinite(self.bias[g.h0:g.h1, None]) & key_valid  # (h,G,w,K)
+            if self.causal and g.f0 == 0:
+                allowed[:, 0, :, :w] = False
+            has_key = allowed.any(-1, keepdim=True)
+            per_head.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed after
+            has_key = has_key.view(-1, w, 1)
+        return torch.softmax(scores, -1), has_key, qw
 
-def _add_to_windows(dst: Tensor, grad: Tensor, w: int, f0: int, f1: int, causal: bool) -> None:
-    """dst (B,H,N,C) += the gradient of the keys seen by windows [f0, f1), grad as from ``_keys_seen``."""
-    n = dst.shape[2]
-    parts = [(grad[:, :, :, w:] if causal else grad, f0)]
-    if causal:
-        parts.append((grad[:, :, :, :w], f0 - 1))
-    for g, start in parts:
-        rows = g.flatten(2, 3)
-        lo = max(start * w, 0)
-        hi = min(start * w + rows.shape[2], n)
-        if hi > lo:
-            dst[:, :, lo:hi] += rows[:, :, lo - start * w:hi - start * w]
+    def memory_probs(self, qw: Tensor, g: Group, mean: Tensor):
+        """qb = q B^T / sqrt(D) and p = softmax(qb * H) (LAVO eq. 4 with q·Xtil_i = H_i (q·B_i)), (h,G,w,r) each."""
+        qb = scaled_bmm(qw.view(g.heads, -1, qw.shape[-1]), self.bases[g.h0:g.h1].transpose(1, 2), self.scale)
+        qb = qb.view(g.heads, g.windows, self.w, -1)
+        return qb, torch.softmax(qb * mean, -1)
 
+    def per_window(self, x: Tensor, g: Group) -> Tensor:
+        """Rows of g of a per-window (B·H, nw, ·) tensor, or of a per-head (B·H, 1, ·) one: (h,G|1,1,·)."""
+        return (x[g.h0:g.h1, g.f0:g.f1] if self.causal else x[g.h0:g.h1])[:, :, None]
 
-def _local_probs(q, k, bias, valid, w, f0, f1, causal, scale):
-    """Window softmax of windows [f0, f1) (LAVO §3.2-3.3): (p (B,H,G,w,K), has_key (B,1,G,w,1) or None, q*scale)."""
-    qs = _span(q, w, f0 * w, f1 * w) * scale
-    scores = (qs @ _keys_seen(k, w, f0, f1, causal).transpose(-1, -2)).add_(bias[None, :, None])
-    if causal and f0 == 0:
-        scores[:, :, 0, :, :w] = float("-inf")  # window 0 has no previous window
-    has_key = None
-    if valid is not None:
-        key_valid = _keys_seen(valid[:, None, :, None], w, f0, f1, causal)[:, 0, :, :, 0]  # (B,G,K)
-        allowed = torch.isfinite(bias[None, :1, None]) & key_valid[:, None, :, None, :]  # (B,1,G,w,K)
-        has_key = allowed.any(-1, keepdim=True)
-        scores.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed after
-    return torch.softmax(scores, -1), has_key, qs
+    def add_seen_grad(self, dst3: Tensor, g: Group, s: Tensor, y: Tensor, alpha: float = 1.0) -> None:
+        """dst3's rows of the keys (or values) seen by g <- alpha s^T y, s (F,w,K) as from ``local_probs``, y (F,w,C).
 
-
-def _memory_probs(qs, bases, mean):
-    """qb = q B^T and p = softmax(qb * H) (LAVO eq. 4 with q·Xtil_i = H_i (q·B_i)), (B,H,G,w,r) each."""
-    qb = torch.einsum("bhgwd,hrd->bhgwr", qs, bases)
-    return qb, torch.softmax(qb * mean, -1)
+        Causal: window f gets its own half of s[f] and the previous half of s[f+1]; group g's first window's
+        previous half goes to window f0 - 1, already written by the group before. Between whole heads the
+        previous half of a head's window 0 meets the head before; its weights are exactly 0 there.
+        """
+        w = self.w
+        if not self.causal:
+            bmm_rows(dst3, g, w, s.transpose(1, 2), y, alpha=alpha)
+            return
+        view = rows_view(dst3, g, w)
+        own = scaled_bmm(s[:, :, w:].transpose(1, 2), y, alpha, out=view)
+        own[:-1].baddbmm_(s[1:, :, :w].transpose(1, 2), y[1:], alpha=alpha)
+        if view is None:
+            store_rows(dst3, g, w, own)
+        if g.f0 > 0:
+            dst3[g.h0, (g.f0 - 1) * w:g.f0 * w].addmm_(s[0, :, :w].t(), y[0], alpha=alpha)
 
 
 class _LAVO(torch.autograd.Function):
@@ -144,85 +161,92 @@ class _LAVO(torch.autograd.Function):
 
     q, k, v (B,H,N,D) compute dtype (unscaled), bases (H,r,D), bias (H,w,K) with -inf outside the band
     (K = 2w causal, w otherwise), valid (B,nw*w) real tokens or None when no key needs masking,
-    tok (B,nw*w) the tokens of the memory. Windows are processed in groups of working size: pass 1
-    writes F_local into the output buffer and sums it per window, pass 2 adds the memory read-out in
-    place. Saves only the per-window sums and means (B,H,nw,·); the backward recomputes the window
+    tok (B,nw*w) the tokens of the memory. Windows are processed in groups of working size (``_Layout``):
+    pass 1 writes F_local into the output buffer and sums it per window, pass 2 adds the memory read-out
+    in place. Saves only the per-window sums and means (B,H,nw,·); the backward recomputes the window
     probabilities and the memory probabilities group by group.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, bases, bias, valid, tok, causal: bool):
         b, h, n, d = q.shape
-        w = bias.shape[1]
+        lay = _Layout(q, k, v, bases, bias, valid, tok, causal)
+        w = lay.w
         nw = tok.shape[1] // w
-        scale = 1.0 / math.sqrt(d)
-        per = max(1, min(_WORK_ELEMENTS // (b * h * d * w), nw // _MIN_PASSES))
-        groups = [(f0, min(f0 + per, nw)) for f0 in range(0, nw, per)]
         out = q.new_empty(b, h, n, d)
-        win = q.new_empty(b, h, nw, d)  # sum of x_t over the memory tokens of each window
-        tokw = tok.view(b, nw, w)
-        for f0, f1 in groups:  # pass 1: F_local
-            p, has_key, _ = _local_probs(q, k, bias, valid, w, f0, f1, causal, scale)
-            x = p @ _keys_seen(v, w, f0, f1, causal)
+        out3 = flat_heads(out)
+        win = q.new_empty(b * h, nw, d)  # sum of x_t over the memory tokens of each window
+        for g in lay.groups:  # pass 1: F_local
+            p, has_key, _ = lay.local_probs(g)
+            x = torch.bmm(p, lay.seen(lay.v, g))
             if has_key is not None:
                 x.masked_fill_(~has_key, 0.0)
-            win[:, :, f0:f1] = torch.einsum("bhgwd,bgw->bhgd", x, tokw[:, f0:f1])
-            xf = x.flatten(2, 3)[:, :, :n - f0 * w]
-            out[:, :, f0 * w:f0 * w + xf.shape[2]] = xf
-        mean, coef, wsum = _memory_mean(win, bases, tokw, causal)
-        for f0, f1 in groups:  # pass 2: out = coef F_local + 0.5 F_global
-            qs = _span(q, w, f0 * w, f1 * w) * scale
-            m = _group_mean(mean, f0, f1, causal)
-            _, pm = _memory_probs(qs, bases, m)
-            glob = torch.einsum("bhgwr,hrd->bhgwd", pm.mul_(m * 0.5), bases).flatten(2, 3)[:, :, :n - f0 * w]
-            rows = out[:, :, f0 * w:f0 * w + glob.shape[2]]
-            rows.mul_(_group_coef(coef, f0, f1, w, glob.shape[2], causal)).add_(glob)
+            tokr = group_rows(lay.tok, g, w)  # (F,w,1)
+            torch.bmm(tokr.transpose(1, 2), x, out=win[g.h0:g.h1, g.f0:g.f1].view(-1, 1, d))
+            store_rows(out3, g, w, x)
+        mean, coef, wsum = _memory_mean(win.view(b, h, nw, d), bases, tok.view(b, nw, w), causal)
+        mean3, coef3 = mean.reshape(b * h, -1, bases.shape[1]), coef.repeat_interleave(h, 0).view(b * h, -1, 1)
+        for g in lay.groups:  # pass 2: out = coef F_local + 0.5 F_global
+            m = lay.per_window(mean3, g)
+            _, pm = lay.memory_probs(group_rows(lay.q, g, w), g, m)
+            glob = torch.bmm(pm.mul_(m * 0.5).view(g.heads, -1, pm.shape[-1]), lay.bases[g.h0:g.h1])
+            rows = rows_view(out3, g, w)
+            x = group_rows(out3, g, w) if rows is None else rows
+            x.view(g.heads, g.windows, w, d).mul_(lay.per_window(coef3, g)).add_(glob.view(g.heads, g.windows, w, d))
+            if rows is None:
+                store_rows(out3, g, w, x)
         ctx.save_for_backward(q, k, v, bases, bias, valid, tok, wsum, mean, coef)
-        ctx.causal, ctx.groups = causal, groups
+        ctx.causal = causal
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, bases, bias, valid, tok, wsum, mean, coef = ctx.saved_tensors
-        causal, groups = ctx.causal, ctx.groups
+        causal = ctx.causal
         b, h, n, d = q.shape
-        w = bias.shape[1]
+        lay = _Layout(q, k, v, bases, bias, valid, tok, causal)
+        w = lay.w
         nw = tok.shape[1] // w
-        scale = 1.0 / math.sqrt(d)
-        tokw = tok.view(b, nw, w)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dbases, dbias = torch.zeros_like(bases), torch.zeros_like(bias)
-        dmean = torch.zeros_like(mean)
-        for f0, f1 in groups:  # pass A: F_global = (p ⊙ H) B with p = softmax(qb ⊙ H) (eq. 4)
-            gg = _span(grad, w, f0 * w, f1 * w)
-            qs = _span(q, w, f0 * w, f1 * w) * scale
-            m = _group_mean(mean, f0, f1, causal)
-            qb, pm = _memory_probs(qs, bases, m)
-            dwgt = torch.einsum("bhgwd,hrd->bhgwr", gg, bases).mul_(0.5)  # dL/d(p ⊙ H)
-            dbases += torch.einsum("bhgwr,bhgwd->hrd", pm * m * 0.5, gg)
-            dp = dwgt * m
-            dlog = dp.sub_((dp * pm).sum(-1, keepdim=True)).mul_(pm)  # softmax backward
-            dm = (dwgt * pm).add_(dlog * qb)
-            _group_mean_grad(dmean, dm, f0, f1, causal)
-            dqb = dlog.mul_(m)
-            dbases += torch.einsum("bhgwr,bhgwd->hrd", dqb, qs)
-            dqs = torch.einsum("bhgwr,hrd->bhgwd", dqb, bases).flatten(2, 3)[:, :, :n - f0 * w]
-            torch.mul(dqs, scale, out=dq[:, :, f0 * w:f0 * w + dqs.shape[2]])
-        dwin = _memory_mean_grad(dmean, wsum, bases, dbases, tokw, causal)  # dL/d(window sums of x)
-        for f0, f1 in groups:  # pass B: F_local
-            p, has_key, qs = _local_probs(q, k, bias, valid, w, f0, f1, causal, scale)
-            dx = _span(grad, w, f0 * w, f1 * w) * _group_coef(coef, f0, f1, w, None, causal)
-            dx += (dwin[:, :, f0:f1, None] if causal else dwin[:, :, None, None]) * tokw[:, None, f0:f1, :, None]
+        r = bases.shape[1]
+        grad3 = flat_heads(grad)
+        mean3, coef3 = mean.reshape(b * h, -1, r), coef.repeat_interleave(h, 0).view(b * h, -1, 1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq3, dk3, dv3 = flat_heads(dq), flat_heads(dk), flat_heads(dv)
+        dbases, dbias = torch.zeros_like(lay.bases), torch.zeros_like(lay.bias)
+        dmean = torch.zeros_like(mean3)
+        for g in lay.groups:  # pass A: F_global = (p ⊙ H) B with p = softmax(qb ⊙ H) (eq. 4)
+            gg = group_rows(grad3, g, w).view(g.heads, -1, d)
+            qw = group_rows(lay.q, g, w)
+            m = lay.per_window(mean3, g)
+            qb, pm = lay.memory_probs(qw, g, m)
+            bg, dbg = lay.bases[g.h0:g.h1], dbases[g.h0:g.h1]
+            dwgt = torch.bmm(gg, bg.transpose(1, 2)).view_as(qb).mul_(0.5)  # dL/d(p ⊙ H)
+            dbg.baddbmm_((pm * m).view(g.heads, -1, r).transpose(1, 2), gg, alpha=0.5)
+            dlog = torch._softmax_backward_data(dwgt * m, pm, -1, pm.dtype)
+            dm = torch.mul(dwgt, pm).addcmul_(dlog, qb).sum(2)  # (h,G,r)
+            if causal:
+                dmean[g.h0:g.h1, g.f0:g.f1] += dm
+            else:
+                dmean[g.h0:g.h1] += dm.sum(1, keepdim=True)
+            dqb = dlog.mul_(m).view(g.heads, -1, r)
+            dbg.baddbmm_(dqb.transpose(1, 2), qw.view(g.heads, -1, d), alpha=lay.scale)
+            bmm_rows(dq3, g, w, dqb, bg, alpha=lay.scale)
+        dbases = dbases.view(b, h, r, d).sum(0)
+        dwin = _memory_mean_grad(dmean.view(b, h, *mean.shape[2:]), wsum, bases, dbases, tok.view(b, nw, w), causal)
+        dwin3 = dwin.reshape(b * h, -1, d)  # dL/d(window sums of x)
+        for g in lay.groups:  # pass B: F_local
+            p, has_key, qw = lay.local_probs(g)
+            dx = torch.mul(group_rows(grad3, g, w).view(g.heads, g.windows, w, d), lay.per_window(coef3, g))
+            dx = dx.addcmul_(lay.per_window(dwin3, g), group_rows(lay.tok, g, w).view(g.heads, g.windows, w, 1))
+            dx = dx.view(-1, w, d)
             if has_key is not None:
                 dx.masked_fill_(~has_key, 0.0)
-            _add_to_windows(dv, p.transpose(-1, -2) @ dx, w, f0, f1, causal)
-            dp = dx @ _keys_seen(v, w, f0, f1, causal).transpose(-1, -2)
-            ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p)  # softmax backward
-            dbias += ds.sum((0, 2))
-            _add_to_windows(dk, ds.transpose(-1, -2) @ qs, w, f0, f1, causal)
-            dqs = (ds @ _keys_seen(k, w, f0, f1, causal)).flatten(2, 3)[:, :, :n - f0 * w]
-            dq[:, :, f0 * w:f0 * w + dqs.shape[2]].add_(dqs, alpha=scale)
-        return dq, dk, dv, dbases, dbias, None, None, None
+            lay.add_seen_grad(dv3, g, p, dx)
+            ds = torch._softmax_backward_data(torch.bmm(dx, lay.seen(lay.v, g).transpose(1, 2)), p, -1, p.dtype)
+            dbias[g.h0:g.h1] += ds.view(g.heads, g.windows, w, -1).sum(1)
+            lay.add_seen_grad(dk3, g, ds, qw, alpha=lay.scale)
+            bmm_rows(dq3, g, w, ds, lay.seen(lay.k, g), beta=1, alpha=lay.scale)
+        return dq, dk, dv, dbases, dbias.view(b, *bias.shape).sum(0), None, None, None
 
 
 def _memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
@@ -254,24 +278,6 @@ def _memory_mean_grad(dmean: Tensor, win: Tensor, bases: Tensor, dbases: Tensor,
     dws = dmean / cnt.sum(1).clamp_min(1)[:, None, None]
     dbases += torch.einsum("bhr,bhd->hrd", dws, win.sum(2))
     return torch.einsum("bhr,hrd->bhd", dws, bases)
-
-
-def _group_mean(mean: Tensor, f0: int, f1: int, causal: bool) -> Tensor:
-    return mean[:, :, f0:f1, None, :] if causal else mean[:, :, None, None, :]
-
-
-def _group_mean_grad(dmean: Tensor, dm: Tensor, f0: int, f1: int, causal: bool) -> None:
-    if causal:
-        dmean[:, :, f0:f1] += dm.sum(3)
-    else:
-        dmean += dm.sum((2, 3))
-
-
-def _group_coef(coef: Tensor, f0: int, f1: int, w: int, rows: Optional[int], causal: bool) -> Tensor:
-    """The weight of F_local in the output, for windows [f0, f1): (B,1,G,1,1) or, given rows, (B,1,rows,1)."""
-    c = coef[:, f0:f1] if causal else coef[:, None].expand(-1, f1 - f0)
-    c = c[:, None, :, None, None].expand(-1, -1, -1, w, -1)
-    return c if rows is None else c.flatten(2, 3)[:, :, :rows]
 
 
 def _band_bias(pos_bias: Tensor, w: int, causal: bool) -> Tensor:
