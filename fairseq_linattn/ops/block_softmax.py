@@ -7,84 +7,59 @@ from torch import Tensor
 
 from ._checks import (Rows, allowed_keys, autocast_off, check_key_padding_mask, check_positive_int, check_qkv,
                       compute_dtype, masked_softmax, select_rows)
+from ._windows import Group, bmm_rows, flat_heads, group_rows, scaled_bmm, window_groups
 
 
-_WORK_ELEMENTS = 1 << 20  # values in one (B,H,rows,D) working temporary
-_MIN_PASSES = 16  # so that a pass's temporaries stay a small fraction of an (N, D) tensor
+_WORK_ELEMENTS = 1 << 20  # values in one (rows, max(D, bs)) working temporary
 
 
-def _blocks(x: Tensor, bs: int, f0: int, f1: int) -> Tensor:
-    """Rows of blocks [f0, f1) of x (B,H,N,C) as (B,H,G,bs,C), zero-padded past the end (no copy otherwise)."""
-    part = x[:, :, f0 * bs:f1 * bs]
-    if part.shape[2] < (f1 - f0) * bs:
-        part = torch.nn.functional.pad(part, (0, 0, 0, (f1 - f0) * bs - part.shape[2]))
-    return part.unflatten(2, (-1, bs))
+class _Blocks:
+    """The inputs with heads flattened (B·H, N, ·), the valid keys (B·H, nb*bs, 1) or None, and the block
+    groups of working size (``_windows``)."""
 
+    def __init__(self, q, k, v, valid, bs: int, causal: bool):
+        b, h, n, d = q.shape
+        self.q, self.k, self.v, self.bs, self.causal = flat_heads(q), flat_heads(k), flat_heads(v), bs, causal
+        self.valid = None if valid is None else valid.expand(b, -1).repeat_interleave(h, 0)[..., None]
+        self.scale = 1 / math.sqrt(d)
+        self.groups = window_groups(b * h, n, bs, max(d, v.shape[-1], bs), _WORK_ELEMENTS)
 
-def _block_groups(q: Tensor, bs: int):
-    """Groups of consecutive blocks [f0, f1) of working size."""
-    b, h, n, d = q.shape
-    nb = -(-n // bs)
-    per = max(1, min(_WORK_ELEMENTS // (b * h * bs * max(d, bs)), nb // _MIN_PASSES))
-    return [(f0, min(f0 + per, nb)) for f0 in range(0, nb, per)]
-
-
-def _block_probs(q, k, valid, bs, f0, f1, causal):
-    """softmax(q k^T / sqrt(D)) inside blocks [f0, f1) (LLN §4.2): p (B,H,G,bs,bs), has_key (B,1,G,bs,1) or None.
-
-    valid (B,nb*bs) marks the keys a query may see (None: all); a row with no allowed key is finite, zeroed by
-    the caller through has_key.
-    """
-    scores = (_blocks(q, bs, f0, f1) @ _blocks(k, bs, f0, f1).transpose(-1, -2)).mul_(1 / math.sqrt(q.shape[-1]))
-    tril = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril() if causal else None
-    if valid is None:
-        if causal:
-            scores.masked_fill_(~tril, float("-inf"))
-        return torch.softmax(scores, -1), None
-    allowed = valid[:, None, f0 * bs:f1 * bs].unflatten(2, (-1, bs))[:, :, :, None, :]  # (B,1,G,1,bs)
-    if causal:
-        allowed = allowed & tril
-    has_key = allowed.any(-1, keepdim=True)
-    scores.masked_fill_(~allowed, float("-inf")).masked_fill_(~has_key, 0.0)
-    return torch.softmax(scores, -1), has_key
+    def probs(self, g: Group) -> Tensor:
+        """softmax(q k^T / sqrt(D)) inside the blocks of g (LLN §4.2), (F,bs,bs); 0 on a row with no allowed key."""
+        bs = self.bs
+        scores = scaled_bmm(group_rows(self.q, g, bs), group_rows(self.k, g, bs).transpose(1, 2), self.scale)
+        tril = torch.ones(bs, bs, dtype=torch.bool, device=scores.device).tril() if self.causal else None
+        if self.valid is None:
+            if self.causal:
+                scores.masked_fill_(~tril, float("-inf"))
+            return torch.softmax(scores, -1)
+        allowed = group_rows(self.valid, g, bs, fill=False).transpose(1, 2)  # (F,1,bs)
+        if self.causal:
+            allowed = allowed & tril
+        has_key = allowed.any(-1, keepdim=True)
+        scores.masked_fill_(~allowed, float("-inf")).masked_fill_(~has_key, 0.0)
+        return torch.softmax(scores, -1).masked_fill_(~has_key, 0.0)
 
 
 def blocks_forward_(q, k, v, valid, bs, causal, out, mix: float) -> None:
     """out <- (1 - mix) out + mix * block softmax, block group by block group (mix 1: out is overwritten)."""
-    n = q.shape[2]
-    for f0, f1 in _block_groups(q, bs):
-        p, has_key = _block_probs(q, k, valid, bs, f0, f1, causal)
-        x = (p @ _blocks(v, bs, f0, f1)).flatten(2, 3)[:, :, :n - f0 * bs]
-        if has_key is not None:
-            x.masked_fill_(~has_key.flatten(2, 3)[:, :, :x.shape[2]], 0.0)
-        rows = out[:, :, f0 * bs:f0 * bs + x.shape[2]]
-        if mix == 1:
-            rows.copy_(x)
-        else:
-            rows.add_(x).mul_(mix)  # the LLN+Diag average 0.5 (LLN + Diag)
+    lay, out3 = _Blocks(q, k, v, valid, bs, causal), flat_heads(out)
+    for g in lay.groups:  # mix < 1: the LLN+Diag average 0.5 (LLN + Diag), LLN already in out
+        bmm_rows(out3, g, bs, lay.probs(g), group_rows(lay.v, g, bs), beta=0.0 if mix == 1 else mix, alpha=mix)
 
 
 def blocks_backward_(q, k, v, valid, bs, causal, grad, gscale: float, dq, dk, dv, accumulate: bool) -> None:
     """dq, dk, dv of ``gscale`` * block softmax (probabilities recomputed per group): added, or written."""
-    n = q.shape[2]
-    scale = 1 / math.sqrt(q.shape[-1])
-    for f0, f1 in _block_groups(q, bs):
-        p, has_key = _block_probs(q, k, valid, bs, f0, f1, causal)
-        g = _blocks(grad, bs, f0, f1)
-        if gscale != 1:
-            g = g * gscale
-        if has_key is not None:
-            g = g.masked_fill(~has_key, 0.0)
-        dp = g @ _blocks(v, bs, f0, f1).transpose(-1, -2)
-        ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p * scale)  # softmax backward, times 1/sqrt(D)
-        rows = slice(f0 * bs, min(f1 * bs, n))
-        for dst, val in ((dv, p.transpose(-1, -2) @ g), (dq, ds @ _blocks(k, bs, f0, f1)),
-                         (dk, ds.transpose(-1, -2) @ _blocks(q, bs, f0, f1))):
-            val = val.flatten(2, 3)[:, :, :rows.stop - rows.start]
-            if accumulate:
-                dst[:, :, rows] += val
-            else:
-                dst[:, :, rows] = val
+    lay, grad3 = _Blocks(q, k, v, valid, bs, causal), flat_heads(grad)
+    beta = 1.0 if accumulate else 0.0
+    for g in lay.groups:
+        p = lay.probs(g)
+        gw, kw = group_rows(grad3, g, bs), group_rows(lay.k, g, bs)
+        ds = torch._softmax_backward_data(torch.bmm(gw, group_rows(lay.v, g, bs).transpose(1, 2)), p, -1, p.dtype)
+        bmm_rows(flat_heads(dv), g, bs, p.transpose(1, 2), gw, beta=beta, alpha=gscale)
+        bmm_rows(flat_heads(dq), g, bs, ds, kw, beta=beta, alpha=gscale * lay.scale)
+        bmm_rows(flat_heads(dk), g, bs, ds.transpose(1, 2), group_rows(lay.q, g, bs), beta=beta,
+                 alpha=gscale * lay.scale)
 
 
 class _BlockSoftmax(torch.autograd.Function):
