@@ -167,3 +167,20 @@ def test_write_section_replaces_only_its_own_block(tmp_path):
     report.write_section(doc, "a", "second")
     text = doc.read_text()
     assert "hand-written text" in text and "second" in text and "other" in text and "first" not in text
+
+
+def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section(tmp_path):
+    """scripts/compare_ops.py against HEAD's own ops: every case measured on both sides, the section written."""
+    out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_ops.py"), "--baseline", "HEAD",
+                           "--sizes", "64", "--repeats", "1", "--malloc", "default", "--json", str(out),
+                           "--docs", str(doc), "--section", "ops"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["op"] for r in res["rows"]] == ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo",
+                                              "lavo causal", "skyformer"]
+    for r in res["rows"]:
+        assert r["before_ms"] > 0 and r["after_ms"] > 0 and r["before_peak_mib"] > 0
+        assert r["ratio"] == pytest.approx(r["after_ms"] / r["before_ms"])
+    text = doc.read_text()
+    assert "<!-- BEGIN ops -->" in text and "time at HEAD (ms)" in text and "no op slower than at HEAD" in text

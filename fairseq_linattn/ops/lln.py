@@ -59,6 +59,7 @@ def _output_grad(grad: Tensor, out: Tensor, den: Tensor, buf: Optional[Tensor] =
 # Rows of (B,H,rows,D) the fast paths process at a time: their temporaries are working-size, not N-size.
 _WORK_ELEMENTS = 1 << 20
 _MIN_PASSES = 16  # causal LLN: a group's temporaries stay a small fraction of an (N, D) tensor
+_MIN_GROUP_ROWS = 256  # and at least this many rows: below N = 4096 more groups cost more time than they save memory
 
 
 def _work_rows(x: Tensor, multiple: int = 1) -> int:
@@ -271,7 +272,7 @@ def _causal_forward(q, k, v, alpha, beta, mask, c, out):
     """
     b, h, n, d = q.shape
     nc = -(-n // c)
-    per = max(1, min(_work_rows(q, c), n // _MIN_PASSES) // c)
+    per = max(1, min(_work_rows(q, c), max(n // _MIN_PASSES, _MIN_GROUP_ROWS)) // c)
     groups = [(g0, min(g0 + per, nc)) for g0 in range(0, nc, per)]
     shifts = _chunk_shifts(k, beta, mask, c, groups)
     s = q.new_empty(b, h, nc + 1, d, v.shape[-1] + 1)
