@@ -36,13 +36,19 @@ def flat_heads(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[2:])
 
 
+_MAX_SHARE = 8  # a group holds at most 1/8 of all rows (its temporaries stay small beside the (N, D) tensors) ...
+_MIN_SHARE_OF_WORK = 4  # ... unless that is below a quarter of the working size (small N: fewer, larger groups)
+
+
 def window_groups(heads: int, n: int, w: int, c: int, work_elements: int) -> List[Group]:
-    """Groups whose (rows, C) temporaries hold about ``work_elements`` values (at least one window)."""
+    """Groups whose (rows, C) temporaries hold about ``work_elements`` values (at least one window), of equal size."""
     nw = -(-n // w)
-    per = max(1, work_elements // (c * w))  # windows per group
+    rows = min(work_elements // c, max(heads * nw * w // _MAX_SHARE, work_elements // (c * _MIN_SHARE_OF_WORK)))
+    per = max(1, rows // w)  # windows per group
     if per >= nw:
         step = per // nw
         return [Group(h0, min(h0 + step, heads), 0, nw) for h0 in range(0, heads, step)]
+    per = -(-nw // -(-nw // per))  # the same number of groups, of equal size
     return [Group(h, h + 1, f0, min(f0 + per, nw)) for h in range(heads) for f0 in range(0, nw, per)]
 
 
