@@ -33,3 +33,16 @@ def mc_gen():
     """A fixed seed for Monte-Carlo tests, whose tolerances are statistical: a fresh seed would make them
     fail now and then by chance (exactness tests use ``gen``, a fresh seed every run)."""
     return torch.Generator().manual_seed(20261123)
+
+
+def fairseq_layout(*tensors: torch.Tensor):
+    """(B,H,T,D) tensors laid out as fairseq's (T,B,H,D) projections seen as (B,H,T,D): no row is contiguous."""
+    return tuple(t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in tensors)
+
+
+def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e-9) -> None:
+    """out == ref (float64 tolerances), and so are their gradients w.r.t. ``inputs`` for one random output grad."""
+    torch.testing.assert_close(out, ref, rtol=rtol * 0.1, atol=atol * 0.1)
+    g = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)

@@ -4,6 +4,7 @@ import torch
 
 from fairseq_linattn import ops
 from fairseq_linattn.ops import lavo as lavo_mod
+import conftest
 
 
 @pytest.fixture
@@ -51,23 +52,16 @@ def test_lavo_gradcheck_float64_in_many_passes(gen, one_window_per_pass, causal,
 GROUP_WORK = {"one-window": 1, "two-windows": 2 * 3 * 4, "whole-heads": 1 << 20}
 
 
-@pytest.mark.parametrize("work", GROUP_WORK)
-@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("n", [12, 14])
-def test_lavo_every_group_shape_and_layout_matches_reference(gen, monkeypatch, work, layout, causal, padded, n):
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fairseq_layout", [False, True])
+@pytest.mark.parametrize("work", GROUP_WORK)
+def test_lavo_every_group_shape_and_layout_matches_reference(gen, monkeypatch, work, fairseq_layout, causal, padded, n):
     monkeypatch.setattr(lavo_mod, "_WORK_ELEMENTS", GROUP_WORK[work])
     q, k, v, bases, pos_bias = _inputs(gen, 2, 3, n, 4, 3, 2)
-    if layout == "permuted":  # fairseq's (T, B, H, D) projections seen as (B, H, T, D): no row is contiguous
-        q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (q, k, v))
-    q, k, v, bases, pos_bias = (t.requires_grad_() for t in (q, k, v, bases, pos_bias))
-    mask = _mask(2, n) if padded else None
-    out = ops.lavo_attention(q, k, v, bases, pos_bias, window=3, causal=causal, key_padding_mask=mask)
-    ref = ops.lavo_attention_reference(q, k, v, bases, pos_bias, window=3, causal=causal, key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
-    g = torch.randn(out.shape, generator=gen, dtype=out.dtype)
-    grads = torch.autograd.grad(out, (q, k, v, bases, pos_bias), g)
-    refs = torch.autograd.grad(ref, (q, k, v, bases, pos_bias), g)
-    for got, want in zip(grads, refs):
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
+    qkv = conftest.fairseq_layout(q, k, v) if fairseq_layout else (q, k, v)
+    args = [t.requires_grad_() for t in (*qkv, bases, pos_bias)]
+    kw = dict(window=3, causal=causal, key_padding_mask=_mask(2, n) if padded else None)
+    conftest.assert_same_values_and_grads(ops.lavo_attention(*args, **kw), ops.lavo_attention_reference(*args, **kw),
+                                          args, gen)

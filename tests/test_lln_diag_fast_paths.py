@@ -6,6 +6,7 @@ import torch
 from fairseq_linattn import ops
 from fairseq_linattn.ops import block_softmax as bs_mod
 from fairseq_linattn.ops import lln as lln_mod
+import conftest
 from conftest import padding_mask
 
 
@@ -54,27 +55,21 @@ def test_block_softmax_gradcheck_float64(gen, passes, causal, padded):
 GROUP_WORK = {"one-block": 1, "two-blocks": 2 * 3 * 3, "whole-heads": 1 << 20}
 
 
-@pytest.mark.parametrize("work", GROUP_WORK)
-@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("n", [12, 13])
 @pytest.mark.parametrize("op", ["block_softmax", "lln_diag"])
-def test_every_block_group_shape_and_layout_matches_reference(gen, monkeypatch, work, layout, causal, padded, n, op):
+@pytest.mark.parametrize("n", [12, 13])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fairseq_layout", [False, True])
+@pytest.mark.parametrize("work", GROUP_WORK)
+def test_every_block_group_shape_and_layout_matches_reference(gen, monkeypatch, work, fairseq_layout, causal, padded,
+                                                              n, op):
     monkeypatch.setattr(bs_mod, "_WORK_ELEMENTS", GROUP_WORK[work])
-    q, k, v = _inputs(gen, b=2, h=3, n=n, d=3, dv=3)
-    if layout == "permuted":  # fairseq's (T, B, H, D) projections seen as (B, H, T, D): no row is contiguous
-        q, k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (q, k, v))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mask = padding_mask(2, n, "left", gen) if padded else None
+    qkv = _inputs(gen, b=2, h=3, n=n, d=3, dv=3)
+    q, k, v = (t.requires_grad_() for t in (conftest.fairseq_layout(*qkv) if fairseq_layout else qkv))
+    kw = dict(block_size=3, causal=causal, key_padding_mask=padding_mask(2, n, "left", gen) if padded else None)
     if op == "block_softmax":
-        kw = dict(block_size=3, causal=causal, key_padding_mask=mask)
         out, ref = ops.block_softmax_attention(q, k, v, **kw), ops.block_softmax_attention_reference(q, k, v, **kw)
     else:
-        kw = dict(block_size=3, causal=causal, key_padding_mask=mask)
         out = ops.lln_diag_attention(q, k, v, 1.3, 0.8, chunk_size=2, **kw)
         ref = ops.lln_diag_attention_reference(q, k, v, 1.3, 0.8, **kw)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
-    g = torch.randn(out.shape, generator=gen, dtype=out.dtype)
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
+    conftest.assert_same_values_and_grads(out, ref, (q, k, v), gen)
