@@ -107,10 +107,11 @@ class _Layout:
         return window_pairs(rows) if self.causal else rows
 
     def local_probs(self, g: Group):
-        """Window softmax of g (LAVO §3.2-3.3): p (F,w,K), has_key (F,w,1) or None, the queries (F,w,D) unscaled."""
+        """Window softmax of g (LAVO §3.2-3.3): p (F,w,K), has_key (F,w,1) or None, the queries (F,w,D) unscaled
+        and the keys seen (F,K,D)."""
         w = self.w
-        qw = group_rows(self.q, g, w)
-        scores = scaled_bmm(qw, self.seen(self.k, g).transpose(1, 2), self.scale)
+        qw, ks = group_rows(self.q, g, w), self.seen(self.k, g)
+        scores = scaled_bmm(qw, ks.transpose(1, 2), self.scale)
         per_head = scores.view(g.heads, g.windows, w, -1)
         per_head.add_(self.bias[g.h0:g.h1, None])
         if self.causal and g.f0 == 0:
@@ -124,7 +125,7 @@ class _Layout:
             has_key = allowed.any(-1, keepdim=True)
             per_head.masked_fill_(~(allowed | ~has_key), float("-inf"))  # a keyless row stays finite, zeroed after
             has_key = has_key.view(-1, w, 1)
-        return torch.softmax(scores, -1), has_key, qw
+        return torch.softmax(scores, -1), has_key, qw, ks
 
     def memory_probs(self, qw: Tensor, g: Group, mean: Tensor):
         """qb = q B^T / sqrt(D) and p = softmax(qb * H) (LAVO eq. 4 with q·Xtil_i = H_i (q·B_i)), (h,G,w,r) each."""
@@ -177,7 +178,7 @@ class _LAVO(torch.autograd.Function):
         out3 = flat_heads(out)
         win = q.new_empty(b * h, nw, d)  # sum of x_t over the memory tokens of each window
         for g in lay.groups:  # pass 1: F_local
-            p, has_key, _ = lay.local_probs(g)
+            p, has_key, _, _ = lay.local_probs(g)
             x = torch.bmm(p, lay.seen(lay.v, g))
             if has_key is not None:
                 x.masked_fill_(~has_key, 0.0)
@@ -235,7 +236,7 @@ class _LAVO(torch.autograd.Function):
         dwin = _memory_mean_grad(dmean.view(b, h, *mean.shape[2:]), wsum, bases, dbases, tok.view(b, nw, w), causal)
         dwin3 = dwin.reshape(b * h, -1, d)  # dL/d(window sums of x)
         for g in lay.groups:  # pass B: F_local
-            p, has_key, qw = lay.local_probs(g)
+            p, has_key, qw, ks = lay.local_probs(g)
             dx = torch.mul(group_rows(grad3, g, w).view(g.heads, g.windows, w, d), lay.per_window(coef3, g))
             dx = dx.addcmul_(lay.per_window(dwin3, g), group_rows(lay.tok, g, w).view(g.heads, g.windows, w, 1))
             dx = dx.view(-1, w, d)
@@ -245,7 +246,7 @@ class _LAVO(torch.autograd.Function):
             ds = torch._softmax_backward_data(torch.bmm(dx, lay.seen(lay.v, g).transpose(1, 2)), p, -1, p.dtype)
             dbias[g.h0:g.h1] += ds.view(g.heads, g.windows, w, -1).sum(1)
             lay.add_seen_grad(dk3, g, ds, qw, alpha=lay.scale)
-            bmm_rows(dq3, g, w, ds, lay.seen(lay.k, g), beta=1, alpha=lay.scale)
+            bmm_rows(dq3, g, w, ds, ks, beta=1, alpha=lay.scale)
         return dq, dk, dv, dbases, dbias.view(b, *bias.shape).sum(0), None, None, None
 
 
