@@ -2,7 +2,10 @@
 """The attention ops of an earlier commit against this tree's: time and peak memory, forward + backward.
 
 Both sets of ops run in one process with calls alternating (first one side, then the other, swapped every
-repeat), so the shared machine's drift falls on both alike; the ratio after / before is the result. The
+repeat), so the shared machine's drift falls on both alike; the ratio after / before is the result. What ran
+before in a process moves that ratio (non-causal LLN at N = 4096 read 1.01-1.06 in fresh processes and
+1.24-1.28 in processes that had run causal LLN first): with ``--processes P`` every (N, op)
+is compared in P fresh processes of its own, and a row is the median over them, with their range. The
 earlier ops come from ``git archive <commit> fairseq_linattn/ops`` (no fairseq import, see docs/design.md §1).
 Prints a table, writes JSON, and with --docs rewrites a section of docs/benchmarks.md. With ``--malloc keep``
 (the default) the script restarts with glibc keeping freed memory, as ``benchmark_attention.py`` does.
@@ -97,17 +100,49 @@ def compare(before, after, sizes, cases, repeats: int) -> list:
     return rows
 
 
+def compare_in_processes(argv: list, sizes, cases, processes: int) -> list:
+    """Each (N, case) compared in ``processes`` fresh processes of this script (rounds over every point, so
+    the machine's drift spreads over all); per point the median of their medians and ratios, and the range."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(processes):
+            for n in sizes:
+                for case in cases:
+                    out = Path(tmp) / "child.json"
+                    print(f"[process {p + 1}/{processes}] N={n} {case}", flush=True)
+                    subprocess.run([sys.executable, __file__, *argv, "--sizes", str(n), "--cases", case,
+                                    "--processes", "1", "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+                    runs.setdefault((n, case), []).extend(json.loads(out.read_text())["rows"])
+    return [merge_processes(rows) for rows in runs.values()]
+
+
+def merge_processes(rows: list) -> dict:
+    """One point measured by several processes: median times and ratio, the ratios' range, every sample."""
+    ratios = [r["ratio"] for r in rows]
+    return {"n": rows[0]["n"], "op": rows[0]["op"], "processes": len(rows),
+            **{k: statistics.median(r[k] for r in rows) for k in ("before_ms", "after_ms", "ratio")},
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "before_peak_mib": rows[0]["before_peak_mib"], "after_peak_mib": rows[0]["after_peak_mib"],
+            "samples_s": [r["samples_s"] for r in rows], "load": [r["load"] for r in rows]}
+
+
 def render(res: dict) -> str:
     base = res["baseline"]
+    procs = res.get("processes", 1)
+    how = ("the two sides alternating in one process" if procs == 1 else
+           f"the two sides alternating, in each of {procs} fresh processes per point; the times and the ratio are "
+           f"the medians over the processes, the range is their ratios'")
     lines = [report.machine_lines(res["machine"], res["load_start"]), "",
              f"B=1, H=12, D=64, float32; one call = forward + gradient w.r.t. every input; median of "
-             f"{res['repeats']} calls per side, the two sides alternating in one process. Options: causal LLN "
+             f"{res['repeats']} calls per side, {how}. Options: causal LLN "
              f"chunk 64, blocks 64, LAVO w=64 r=64, Skyformer 128 landmarks.", "",
-             f"| N | op | time at {base} (ms) | time now (ms) | now / {base} | peak at {base} (MiB) | peak now (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+             f"| N | op | time at {base} (ms) | time now (ms) | now / {base} |" + (" range |" if procs > 1 else "")
+             + f" peak at {base} (MiB) | peak now (MiB) |",
+             "|---|---|---|---|---|---|---|" + ("---|" if procs > 1 else "")]
     for r in res["rows"]:
-        lines.append(f"| {r['n']} | {r['op']} | {r['before_ms']:.1f} | {r['after_ms']:.1f} | {r['ratio']:.2f} | "
-                     f"{r['before_peak_mib']:.0f} | {r['after_peak_mib']:.0f} |")
+        spread = f" {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |" if procs > 1 else ""
+        lines.append(f"| {r['n']} | {r['op']} | {r['before_ms']:.1f} | {r['after_ms']:.1f} | {r['ratio']:.2f} |"
+                     f"{spread} {r['before_peak_mib']:.0f} | {r['after_peak_mib']:.0f} |")
     worst = max(res["rows"], key=lambda r: r["ratio"])
     met = worst["ratio"] <= 1 + TOLERANCE
     lines += ["", report.targets_table([{
@@ -124,6 +159,9 @@ def main(argv=None) -> None:
     p.add_argument("--cases", nargs="+", default=CASES, choices=CASES, metavar="CASE",
                    help=f"ops to compare (default all: {', '.join(CASES)})")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per side and point (default 7)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="compare each (N, op) in this many fresh processes and report the median (default 1: "
+                        "every point in this process)")
     p.add_argument("--malloc", choices=["keep", "default"], default="keep",
                    help="keep: restart with glibc keeping freed memory (the issue-15 target); default: glibc's own")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -133,11 +171,15 @@ def main(argv=None) -> None:
     if args.malloc == "keep" and argv is None:
         measure.restart_keeping_freed_memory(sys.argv)
     torch.manual_seed(0)
-    res = {"baseline": args.baseline, "repeats": args.repeats, "machine": measure.machine_info(torch.device("cpu")),
-           "load_start": measure.load_average()}
-    with tempfile.TemporaryDirectory() as tmp:
-        before = load_ops(args.baseline, Path(tmp))
-        res["rows"] = compare(before, ops, args.sizes, args.cases, args.repeats)
+    res = {"baseline": args.baseline, "repeats": args.repeats, "processes": args.processes,
+           "machine": measure.machine_info(torch.device("cpu")), "load_start": measure.load_average()}
+    if args.processes > 1:
+        child = ["--baseline", args.baseline, "--repeats", str(args.repeats), "--malloc", args.malloc]
+        res["rows"] = compare_in_processes(child, args.sizes, args.cases, args.processes)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            before = load_ops(args.baseline, Path(tmp))
+            res["rows"] = compare(before, ops, args.sizes, args.cases, args.repeats)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1))

@@ -184,3 +184,19 @@ def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section
         assert r["ratio"] == pytest.approx(r["after_ms"] / r["before_ms"])
     text = doc.read_text()
     assert "<!-- BEGIN ops -->" in text and "time at HEAD (ms)" in text and "no op slower than at HEAD" in text
+
+
+def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(tmp_path):
+    """--processes 2: each point measured by two child processes; the row is their median, with the range."""
+    out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_ops.py"), "--baseline", "HEAD",
+                           "--sizes", "64", "--cases", "lln", "lavo causal", "--repeats", "1", "--processes", "2",
+                           "--malloc", "default", "--json", str(out), "--docs", str(doc), "--section", "ops"],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["processes"] == 2 and [r["op"] for r in res["rows"]] == ["lln", "lavo causal"]
+    for r in res["rows"]:
+        assert r["processes"] == 2 and len(r["samples_s"]) == 2
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and r["before_peak_mib"] > 0
+    assert "in each of 2 fresh processes per point" in doc.read_text() and " range |" in doc.read_text()
