@@ -341,16 +341,11 @@ def _intra_weights(fq, fk, e, ws: _Scratch) -> Tensor:
     return torch.matmul(fq, fk.transpose(-1, -2), out=ws("w", *e.shape)).mul_(e)
 
 
-def _group_numerator(w, v, fqr, s_prev, ws: _Scratch) -> Tensor:
-    """Numerator of a group's queries (B,H,G,C,Dv): W v inside the chunks, plus phi_q e^(-rho) S_c from the chunks
-    before (``fqr`` = phi_q e^(-rho)); v and S_c without the ones column (64, not 65 output columns)."""
-    num = torch.matmul(w, v, out=ws("o", *v.shape))
-    return num.add_(torch.matmul(fqr, s_prev[..., :-1], out=ws("o_state", *v.shape)))
-
-
-def _group_denominator(w, fqr, s_prev) -> Tensor:
-    """Denominator of a group's queries (B,H,G,C): W 1 plus phi_q e^(-rho) z_c, the ones column's share."""
-    return w.sum(-1).add_(_rows_dot(fqr, s_prev[..., -1]))
+def _group_numerator(w, v1, fqr, s_prev, ws: _Scratch) -> Tensor:
+    """[numerator, denominator] of a group's queries (B,H,G,C,Dv+1): W [v, 1] inside the chunks, plus
+    phi_q e^(-rho) S_c from the chunks before (``fqr`` = phi_q e^(-rho))."""
+    o = torch.matmul(w, v1, out=ws("o", *v1.shape))
+    return o.add_(torch.matmul(fqr, s_prev, out=ws("o_state", *v1.shape)))
 
 
 def _states_before(s: Tensor, g0: int, g1: int, ws: _Scratch) -> Tensor:
@@ -363,17 +358,14 @@ def _causal_forward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, out,
     """Chunks [g0, g1): their states S_(c+1) into s, their rows of out and den."""
     m_incl, m_prev, decay = shifts
     fq, fk, fki, v1, g, rho, e = _causal_group(q, k, v, alpha, beta, mask, m_incl, m_prev, c, g0, g1, ws)
-    u = s[:, :, g0 + 1:g1 + 1]  # U_c = phi_k^T [v, 1], its ones column a sum over the chunk's keys
-    u[..., :-1] = torch.matmul(fki.transpose(-1, -2), v1[..., :-1], out=ws("s_prev", *u[..., :-1].shape))
-    u[..., -1] = fki.sum(-2)
+    s[:, :, g0 + 1:g1 + 1] = torch.matmul(fki.transpose(-1, -2), v1, out=ws("s_prev", *s[:, :, g0:g1].shape))  # U_c
     _linear_scan_(s[:, :, g0:g1 + 1], F.pad(decay[:, :, g0:g1], (0, 0, 1, 0)))  # S_(c+1) = S_c decay_c + U_c
     fqr = torch.mul(fq, torch.exp(-rho)[..., None], out=ws("fqr", *fq.shape))
-    wt, s_prev = _intra_weights(fq, fk, e, ws), _states_before(s, g0, g1, ws)
-    r0, r1 = g0 * c, min(g1 * c, q.shape[2])
-    d = _group_denominator(wt, fqr, s_prev).flatten(2, 3)[:, :, :r1 - r0, None]
-    torch.clamp_min(d, _TINY, out=den[:, :, r0:r1])
-    num = _group_numerator(wt, v1[..., :-1], fqr, s_prev, ws).flatten(2, 3)[:, :, :r1 - r0]
-    torch.div(num, den[:, :, r0:r1], out=out[:, :, r0:r1])
+    o = _group_numerator(_intra_weights(fq, fk, e, ws), v1, fqr, _states_before(s, g0, g1, ws), ws)
+    o = o.flatten(2, 3)[:, :, :q.shape[2] - g0 * c]
+    r0, r1 = g0 * c, g0 * c + o.shape[2]
+    torch.clamp_min(o[..., -1:], _TINY, out=den[:, :, r0:r1])
+    torch.div(o[..., :-1], den[:, :, r0:r1], out=out[:, :, r0:r1])
 
 
 def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den, out, grad, gscale, carry, dq, dk, dv,
@@ -387,12 +379,12 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
     wt = _intra_weights(fq, fk, e, ws)
     s_prev = _states_before(s, g0, g1, ws)
     if out is None:  # the forward's output, rebuilt: numerator / denominator
-        num = _group_numerator(wt, v1[..., :-1], fqr, s_prev, ws).flatten(2, 3)[:, :, :r1 - r0]
-        o_out = num.div_(den[:, :, r0:r1])
+        o = _group_numerator(wt, v1, fqr, s_prev, ws).flatten(2, 3)[:, :, :r1 - r0]
+        o_out = o[..., :-1].div_(den[:, :, r0:r1])
     else:
         o_out = out[:, :, r0:r1]
     # working buffers shared by values whose lifetimes do not overlap (memory: issue 15): go in o_state (read
-    # only to build the numerator), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
+    # only to build o), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
     go = ws("o_state", *v1.shape).flatten(2, 3)  # dL/d[numerator, denominator], 0 past the end
     _output_grad(grad[:, :, r0:r1], o_out, den[:, :, r0:r1], go[:, :, :r1 - r0])
     go[:, :, r1 - r0:] = 0
@@ -404,9 +396,7 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
     dfq = torch.matmul(go, s_prev.transpose(-1, -2), out=ws("dfq", *fq.shape)).mul_(r)
     dfq.add_(torch.matmul(dp, fk, out=ws("prod", *fq.shape)))
     ds = ws("ds", *carry.shape[:2], g1 - g0 + 1, *carry.shape[2:])  # dL/dS_c from chunk c's queries, then carry
-    dsq = ds[:, :, :-1]  # fqr^T go, its last column (the denominators' share) apart
-    dsq[..., :-1] = torch.matmul(fqr.transpose(-1, -2), go[..., :-1], out=ws("o", *dsq[..., :-1].shape))
-    dsq[..., -1] = _rows_weighted_sum(fqr, go[..., -1].contiguous())
+    ds[:, :, :-1] = torch.matmul(fqr.transpose(-1, -2), go, out=ws("o", *ds[:, :, :-1].shape))
     ds[:, :, -1] = carry
     _linear_scan_(ds, F.pad(decay[:, :, g0:g1], (0, 0, 0, 1)), reverse=True)  # + decay_c dL/dS_(c+1)
     du = ws("s_prev", *s_prev.shape).copy_(ds[:, :, 1:])  # U_c enters S_(c+1) onwards
