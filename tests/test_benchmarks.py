@@ -2,6 +2,7 @@
 
 No timing assertions: only structure, budgets, and quantities with a known answer.
 """
+import importlib.util
 import json
 import os
 import platform
@@ -99,6 +100,8 @@ def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     assert cross["softmax"][1] > cross["softmax"][0] and cross["lavo"][0] == cross["lavo"][1]
     assert plot.exists() and "<!-- BEGIN model results -->" in doc.read_text()
     assert "LAVO cross-attention decoding" in doc.read_text()
+    if platform.libc_ver()[0] == "glibc":  # by default in the user's environment: glibc's own allocator
+        assert res["machine"]["malloc"] is None and "glibc malloc defaults" in doc.read_text()
 
 
 @pytest.mark.slow
@@ -200,3 +203,21 @@ def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(t
         assert r["processes"] == 2 and len(r["samples_s"]) == 2
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and r["before_peak_mib"] > 0
     assert "in each of 2 fresh processes per point" in doc.read_text() and " range |" in doc.read_text()
+
+
+def test_model_memory_tables_count_a_point_over_the_time_budget_whose_peak_was_measured():
+    """An update over the time budget still had its memory measured: the memory table shows it (with the budget
+    it exceeded) and the longest-N fit goes through it; a point skipped before running does not count."""
+    spec = importlib.util.spec_from_file_location("benchmark_model", ROOT / "scripts" / "benchmark_model.py")
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    gib = 2 ** 30
+    rows = [{"n": 4096, "status": "ok", "peak_bytes": 3 * gib, "state_bytes": gib, "median_s": 30.0},
+            {"n": 8192, "status": "over budget", "peak_bytes": 6 * gib, "state_bytes": gib, "median_s": 310.0,
+             "note": "310.0 s > 300 s budget"},
+            {"n": 16384, "status": "skipped", "peak_bytes": None, "note": "over budget at N=8192"}]
+    res = {"config": {"fit_budget_gib": 20.0, "attention_dropout": 0.0}, "train": {"points": {"softmax": rows}}}
+    mem = bm.memory_rows(res["train"]["points"])["softmax"]
+    assert [r["status"] for r in mem] == ["ok", "ok", "skipped"] and mem[1]["over"] == "310.0 s > 300 s budget"
+    table = bm.longest_update_table(res)
+    assert "7.00 GiB at 8192" in table and "| 16384 |" in table  # fit through 4096 and 8192: 4 + 3 GiB per 4096 tokens
