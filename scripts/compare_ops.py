@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fairseq_linattn import ops  # noqa: E402
-from fairseq_linattn.benchmark import measure, report  # noqa: E402
+from fairseq_linattn.benchmark import cli, measure, report  # noqa: E402
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
 TOLERANCE = 0.05  # issue 15: no op slower than before with --malloc keep (±5 %)
@@ -104,15 +104,12 @@ def compare_in_processes(argv: list, sizes, cases, processes: int) -> list:
     """Each (N, case) compared in ``processes`` fresh processes of this script (rounds over every point, so
     the machine's drift spreads over all); per point the median of their medians and ratios, and the range."""
     runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in range(processes):
-            for n in sizes:
-                for case in cases:
-                    out = Path(tmp) / "child.json"
-                    print(f"[process {p + 1}/{processes}] N={n} {case}", flush=True)
-                    subprocess.run([sys.executable, __file__, *argv, "--sizes", str(n), "--cases", case,
-                                    "--processes", "1", "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
-                    runs.setdefault((n, case), []).extend(json.loads(out.read_text())["rows"])
+    for p in range(processes):
+        for n in sizes:
+            for case in cases:
+                print(f"[process {p + 1}/{processes}] N={n} {case}", flush=True)
+                child = cli.run_child([*argv, "--sizes", str(n), "--cases", case, "--processes", "1"], plot=False)
+                runs.setdefault((n, case), []).extend(child["rows"])
     return [merge_processes(rows) for rows in runs.values()]
 
 

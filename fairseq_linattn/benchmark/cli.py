@@ -86,11 +86,13 @@ def child_argv(argv: Sequence[str], drop: Sequence[str], drop_flags: Sequence[st
     return rest
 
 
-def run_child(args: Sequence[str], env: Optional[dict] = None) -> dict:
-    """Run this script with ``args`` (plus its own --json and --plot in a temporary folder); its results."""
+def run_child(args: Sequence[str], env: Optional[dict] = None, plot: bool = True) -> dict:
+    """Run this script with ``args`` (plus its own --json, and --plot if it takes one, in a temporary folder);
+    its results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
-        cmd = [sys.executable, sys.argv[0], *args, "--json", str(out), "--plot", str(Path(tmp) / "child.png")]
+        cmd = [sys.executable, sys.argv[0], *args, "--json", str(out)]
+        cmd += ["--plot", str(Path(tmp) / "child.png")] if plot else []
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         return json.loads(out.read_text())
 

@@ -51,15 +51,15 @@ def blocks_forward_(q, k, v, valid, bs, causal, out, mix: float) -> None:
 def blocks_backward_(q, k, v, valid, bs, causal, grad, gscale: float, dq, dk, dv, accumulate: bool) -> None:
     """dq, dk, dv of ``gscale`` * block softmax (probabilities recomputed per group): added, or written."""
     lay, grad3 = _Blocks(q, k, v, valid, bs, causal), flat_heads(grad)
+    dq3, dk3, dv3 = flat_heads(dq), flat_heads(dk), flat_heads(dv)
     beta = 1.0 if accumulate else 0.0
     for g in lay.groups:
         p = lay.probs(g)
         gw, kw = group_rows(grad3, g, bs), group_rows(lay.k, g, bs)
         ds = torch._softmax_backward_data(torch.bmm(gw, group_rows(lay.v, g, bs).transpose(1, 2)), p, -1, p.dtype)
-        bmm_rows(flat_heads(dv), g, bs, p.transpose(1, 2), gw, beta=beta, alpha=gscale)
-        bmm_rows(flat_heads(dq), g, bs, ds, kw, beta=beta, alpha=gscale * lay.scale)
-        bmm_rows(flat_heads(dk), g, bs, ds.transpose(1, 2), group_rows(lay.q, g, bs), beta=beta,
-                 alpha=gscale * lay.scale)
+        bmm_rows(dv3, g, bs, p.transpose(1, 2), gw, beta=beta, alpha=gscale)
+        bmm_rows(dq3, g, bs, ds, kw, beta=beta, alpha=gscale * lay.scale)
+        bmm_rows(dk3, g, bs, ds.transpose(1, 2), group_rows(lay.q, g, bs), beta=beta, alpha=gscale * lay.scale)
 
 
 class _BlockSoftmax(torch.autograd.Function):
