@@ -28,7 +28,8 @@ setup(
     name="fairseq_linattn",
     version="0.1.0",
     description="Linear-complexity attention (LLN, LLN+Diag, Skyformer, LAVO) as a fairseq plugin",
-    packages=find_packages(include=["fairseq_linattn", "fairseq_linattn.*"]),
+    packages=find_packages(include=["linattn", "linattn.*", "fairseq_linattn", "fairseq_linattn.*",
+                                    "linattn_tools", "linattn_tools.*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.0",  # satisfied by an installed torch (CPU 2.13.0 here, or the user's CUDA build)
@@ -38,12 +39,12 @@ setup(
         "datasets",
         "tensorboard",
         "matplotlib",
-        "pyyaml",  # configs/*.yaml (fairseq_linattn.recipes.config)
+        "pyyaml",  # configs/*.yaml (linattn_tools.recipes.config)
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={
         "console_scripts": [
-            "linattn-fit-moments=fairseq_linattn.fit_moments:main",
+            "linattn-fit-moments=linattn_tools.fit_moments:main",
         ]
     },
 )

@@ -54,6 +54,6 @@ for L in "${LENGTHS[@]}"; do
   printf '%s\t%s\t%s\t%s\t%s\n' "$L" "$ratio" "$loss" "$ppl" "$word_ppl" >> "$table.partial"
 done
 mv "$table.partial" "$table"
-"$PY" "$ROOT/fairseq_linattn/recipes/report.py" pg19 "$table" --attention "${ATTN:-}" --checkpoint "$CHECKPOINT" \
+"$PY" -m linattn_tools.recipes.report pg19 "$table" --attention "${ATTN:-}" --checkpoint "$CHECKPOINT" \
   || column -t -s $'\t' "$table"
 echo "[recipe] table: $table"

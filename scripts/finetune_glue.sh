@@ -14,7 +14,7 @@ The checkpoint is loaded with --finetune-from-model: only when OUT has no checkp
 a restarted job resumes its own fine-tuning. Give the pretraining's other architecture options
 (e.g. --lln-diag-block-size) as extra arguments if you changed them.
 Best validation accuracy: OUT/checkpoint_best.pt; MNLI validates matched (valid) and mismatched
-(valid1). Data: python -m fairseq_linattn.recipes.prepare_glue --out data-bin/glue
+(valid1). Data: python -m linattn_tools.recipes.prepare_glue --out data-bin/glue
 Checkpoints: OUT [checkpoints/glue/TASK/ATTN].
 
 $KNOBS_HELP

@@ -28,5 +28,5 @@ for TASK in "${TASKS[@]}"; do
   OUT="$run" TB="${TB:+$TB/$TASK}" bash "$ROOT/scripts/finetune_glue.sh" "$TASK" "$ATTN" "$CHECKPOINT" "${REST[@]}"
   touch "$run/finished"
 done
-summary="$("$PY" "$ROOT/fairseq_linattn/recipes/report.py" glue --attention "$ATTN" "${runs[@]}")"
+summary="$("$PY" -m linattn_tools.recipes.report glue --attention "$ATTN" "${runs[@]}")"
 echo "$summary" | tee "$OUT_ROOT/summary_$ATTN.md"

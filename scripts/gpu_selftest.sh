@@ -14,9 +14,9 @@ About 5 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose it); the .venv mu
   1. ops: every attention method in every role (forward and gradients, padded rows) in float32,
      float16 and bfloat16 on the GPU against its float64 reference on the CPU (~1 min);
   2. train: 50 --fp16 updates of each sample recipe on the GPU (pretrain_wikitext103.sh for every
-     encoder type, train_pg19.sh for every causal one: python -m fairseq_linattn.methods list),
+     encoder type, train_pg19.sh for every causal one: python -m linattn.methods list),
      judged from TensorBoard: finite loss, loss_scale never below --min-loss-scale (~3 min);
-  3. bench: scripts/benchmark_attention.py --device cuda --sizes 4096 (CUDA-event timing, ~1 min);
+  3. bench: linattn_tools/benchmark/attention.py --device cuda --sizes 4096 (CUDA-event timing, ~1 min);
   4. one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".
 Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once). Logs, TensorBoard and
 the benchmark JSON go to --work [runs/gpu_selftest].
@@ -24,4 +24,4 @@ USAGE
     exit 0;;
 esac
 # run as a file: the CUDA check comes before fairseq (imported with the package) is loaded
-exec "$PY" "$ROOT/fairseq_linattn/recipes/gpu_selftest.py" "$@"
+exec "$PY" -m linattn_tools.recipes.gpu_selftest "$@"

@@ -63,7 +63,7 @@ schedule() {
   return 0
 }
 
-step prepare_samples "$PY" -m fairseq_linattn.recipes.prepare_samples --out "$SAMPLE_DATA"
+step prepare_samples "$PY" -m linattn_tools.recipes.prepare_samples --out "$SAMPLE_DATA"
 for attn in "${ENCODERS[@]}"; do
   OUT="$RUN/pretrain/$attn" step "pretrain_$attn" bash "$ROOT/scripts/pretrain_wikitext103.sh" "$attn" \
     $(schedule "$PRETRAIN_UPDATES" decay)
@@ -79,7 +79,7 @@ for attn in "${DECODERS[@]}"; do
 done
 
 wall=$(( $(date +%s) - started ))
-"$PY" "$ROOT/fairseq_linattn/recipes/report.py" quickstart "$RUN" \
+"$PY" -m linattn_tools.recipes.report quickstart "$RUN" \
   --meta "seed=$SEED" --meta "updates (pretrain / fine-tune / LM)=$PRETRAIN_UPDATES / $FINETUNE_UPDATES / $LM_UPDATES" \
   --meta "fine-tuning task=$TASK (data/glue_sample)" --meta "wall time=${wall} s (FAST=${FAST:-0})" \
   --meta "threads (OMP_NUM_THREADS)=$OMP_NUM_THREADS" > /dev/null

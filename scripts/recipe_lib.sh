@@ -30,7 +30,7 @@ MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 if [ "$DEVICE" = cpu ]; then
   FP16="${FP16:-0}"
-  # glibc keeps freed memory: large temporaries are not page-faulted in again (fairseq_linattn/malloc.py)
+  # glibc keeps freed memory: large temporaries are not page-faulted in again (linattn_tools/malloc.py)
   export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1099511627776}"
   export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1099511627776}"
 else
@@ -83,18 +83,18 @@ recipe_cli() {
 }
 
 # check_attention ROLE TYPES: TYPES is an attention type (or a comma list, one per layer) the plugin
-# takes for ROLE (encoder, decoder or cross), as its registry says (`python -m fairseq_linattn.methods
+# takes for ROLE (encoder, decoder or cross), as its registry says (`python -m linattn.methods
 # check`); otherwise the registry's message (naming the option and the allowed values) and exit 2.
 # Pretraining and GLUE check encoder types, the PG-19 LM decoder types.
 check_attention() {
   local out rc=0
-  out="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fairseq_linattn.methods check --role "$1" "$2" 2>&1)" \
+  out="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m linattn.methods check --role "$1" "$2" 2>&1)" \
     || rc=$?
   case "$rc" in
     0) return 0;;
     2) echo "$out" >&2; exit 2;;
     *) [ -z "$out" ] || echo "$out" | tail -5 >&2
-       die "could not check the $1 attention type '$2' ($PY -m fairseq_linattn.methods check: exit $rc)";;
+       die "could not check the $1 attention type '$2' ($PY -m linattn.methods check: exit $rc)";;
   esac
 }
 
@@ -116,7 +116,7 @@ recipe_devices() {
 # config_get CONFIG KEY: a value of configs/CONFIG (its sample section merged when SAMPLE=1)
 config_get() {
   local sample=(); [ "$SAMPLE" = 1 ] && sample=(--sample)
-  "$PY" "$ROOT/fairseq_linattn/recipes/config.py" get "$CONFIGS/$1" "$2" "${sample[@]}"
+  "$PY" -m linattn_tools.recipes.config get "$CONFIGS/$1" "$2" "${sample[@]}"
 }
 
 # config_args CONFIG [--task T]: fills the array ARGS with the config's fairseq-train options
@@ -127,7 +127,7 @@ config_args() {
   if [ "$DEVICE" = cpu ] || [ "$FP16" = 0 ]; then extra+=(--no-fp16); fi
   [ -n "${PER_DEVICE:-}" ] && extra+=(--per-device "$PER_DEVICE")
   [ -n "${UPDATE_FREQ:-}" ] && extra+=(--update-freq "$UPDATE_FREQ")
-  mapfile -t ARGS < <("$PY" "$ROOT/fairseq_linattn/recipes/config.py" args "$CONFIGS/$1" "${extra[@]}" "${@:2}")
+  mapfile -t ARGS < <("$PY" -m linattn_tools.recipes.config args "$CONFIGS/$1" "${extra[@]}" "${@:2}")
   [ "${#ARGS[@]}" -gt 0 ] || die "could not read $CONFIGS/$1"
   [ "$DEVICE" = cpu ] && ARGS+=(--cpu)
   return 0
@@ -141,7 +141,7 @@ data_dir() {
   rel="$(config_get "$1" data)"
   if [ "$SAMPLE" = 1 ]; then
     if [ ! -f "$SAMPLE_DATA/$rel$sub/.done" ]; then
-      "$PY" -m fairseq_linattn.recipes.prepare_samples --out "$SAMPLE_DATA" >&2 || die "preparing the samples failed"
+      "$PY" -m linattn_tools.recipes.prepare_samples --out "$SAMPLE_DATA" >&2 || die "preparing the samples failed"
     fi
     base="$SAMPLE_DATA/$rel"
   else

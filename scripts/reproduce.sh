@@ -5,7 +5,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 cd "$ROOT"
 
-expected() {  # the wall time of each group's committed run (python -m fairseq_linattn.reproduce expected-time)
+expected() {  # the wall time of each group's committed run (python -m linattn_tools.reproduce expected-time)
   python3 - "$ROOT/docs/reproduction" <<'PYTHON'
 import json, pathlib, sys
 runs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
@@ -25,7 +25,7 @@ Measures every claim group of docs/reproduction.md, writes docs/reproduction/GRO
 regenerates docs/reproduction.md from the JSON. Full run: $(expected).
 Groups:
   lln_distribution  LLN Prop. 3.1, Fig. 5b, Fig. 2: var ln P, entropy, spectral gap on Gaussian q, k
-  lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs scripts/benchmark_model.py
+  lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs linattn_tools/benchmark/model.py
                     for softmax with attention dropout 0.1, LLN and LLN+Diag at N = 512-1280; the other points
                     from docs/benchmarks/*.json; --reuse-benchmark re-reads that run instead of measuring)
   quickstart        LLN Table 1, LAVO Table 2 analogues: runs scripts/quickstart.sh into
@@ -39,8 +39,8 @@ USAGE
 
 case "${1:-}" in
   -h|--help) usage; exit 0;;
-  --render) shift; exec "$PY" -m fairseq_linattn.reproduce render "$@";;
+  --render) shift; exec "$PY" -m linattn_tools.reproduce render "$@";;
 esac
 bash "$ROOT/scripts/setup_env.sh"
 echo "[reproduce] $(expected)"
-exec "$PY" -m fairseq_linattn.reproduce run "$@"
+exec "$PY" -m linattn_tools.reproduce run "$@"

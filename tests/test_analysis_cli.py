@@ -1,4 +1,4 @@
-"""`python -m fairseq_linattn.analysis`: synthetic mode, a checkpoint trained here, and bad input."""
+"""`python -m linattn_tools.analysis`: synthetic mode, a checkpoint trained here, and bad input."""
 import json
 import math
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fairseq_data import USER_DIR, make_lm_data, run
-from fairseq_linattn.analysis.cli import main
+from linattn_tools.analysis.cli import main
 
 MAX_PNG_BYTES = 200_000
 
@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
 
 def test_synthetic_mode_reproduces_prop_3_1_and_moment_matching(tmp_path):
     out = tmp_path / "synthetic"
-    proc = subprocess.run([sys.executable, "-m", "fairseq_linattn.analysis", "--synthetic", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.analysis", "--synthetic", "--out", str(out),
                            "--seq-len", "128", "--num-matrices", "2", "--variances", "0.5", "1", "1.5"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_checkpoint_mode_measures_every_layer_and_head(trained, tmp_path):
     assert softmax_head["log_p_rel_var"] == pytest.approx(softmax_head["log_p_rel_var_softmax"], rel=1e-4)
     assert "alpha" not in softmax_head
     # the decoder's LLN runs on its EMA statistics in eval: alpha, beta follow from the checkpoint's buffers
-    from fairseq_linattn.ops import lln_alpha_beta
+    from linattn.ops import lln_alpha_beta
 
     state = torch.load(checkpoint, weights_only=False)["model"]
     var_q, var_k = (state[f"decoder.layers.1.self_attn.matcher.ema_var_{x}"].item() for x in "qk")

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fairseq_linattn.analysis
 from conftest import padding_mask
-from fairseq_linattn import ops
-from fairseq_linattn.analysis import entropy, log_moments, sparsity, spectral_gap
+from linattn import ops
+from linattn.analysis import entropy, log_moments, sparsity, spectral_gap
+from linattn.methods import METHODS
 from fairseq_linattn.modules.attention import ATTENTION_CLASSES, build_attention
 
 F64 = torch.float64
@@ -142,7 +142,7 @@ def test_attention_rows_times_values_is_attend(method, causal, side, gen):
 
 def test_modules_describe_their_rows():
     for method, cls in ATTENTION_CLASSES.items():
-        assert cls.rows_note and cls.plot_colour, method
+        assert METHODS[method].rows_note and METHODS[method].colour, method
         assert cls.is_kernel_method == (method in ("kernelized", "skyformer"))
     module = _module("softmax", False, torch.Generator().manual_seed(0))
     q = torch.randn(1, H, 4, E // H, dtype=F64)
@@ -152,9 +152,10 @@ def test_modules_describe_their_rows():
 
 
 def test_analysis_has_no_attention_method_dispatch():
-    """``analysis/`` only measures: no method-name switch and no attention formula (docs/design.md §8)."""
-    root = Path(fairseq_linattn.analysis.__file__).parent
-    files = sorted(root.glob("*.py"))
+    """The analysis packages only measure: no method-name switch and no attention formula (docs/design.md §8)."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(path for package in ("linattn", "fairseq_linattn", "linattn_tools")
+                   for path in (root / package / "analysis").glob("*.py"))
     assert len(files) >= 8
     for path in files:
         text = path.read_text()

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from fairseq_linattn import ops
-from fairseq_linattn.ops.lln import lln_decode_init, lln_decode_step
+from linattn import ops
+from linattn.ops.lln import lln_decode_init, lln_decode_step
 
 B, H, N, D = 2, 3, 70, 16
 

@@ -13,17 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_linattn.benchmark import flops, measure, report, sweep
+from linattn_tools.benchmark import flops, measure, report, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+MODULES = {"benchmark_attention": "linattn_tools.benchmark.attention", "benchmark_model": "linattn_tools.benchmark.model"}
 
 
 def run_script(name, tmp_path, *extra):
     out = tmp_path / f"{name}.json"
     plot = tmp_path / "img" / f"{name}.png"
     doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), "--quick", "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", MODULES[name], "--quick", "--json", str(out),
                            "--plot", str(plot), "--docs", str(doc), *extra],
                           capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,7 +58,7 @@ def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_
     # writes the plot beside that document (img/), not over the repository's docs/img
     committed = (ROOT / "docs" / "img" / "benchmark_attention.png").read_bytes()
     plot.unlink()
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_attention.py"), "--from-json",
+    subprocess.run([sys.executable, "-m", MODULES["benchmark_attention"], "--from-json",
                     str(tmp_path / "benchmark_attention.json"), "--docs", str(doc)], check=True,
                    capture_output=True, env=ENV, timeout=300)
     assert doc.read_text().count("<!-- BEGIN attention results -->") == 1
@@ -77,7 +79,7 @@ def test_attention_benchmark_isolates_each_series_with_its_own_keep_times(tmp_pa
 
 
 def test_child_argv_drops_options_with_all_their_values():
-    from fairseq_linattn.benchmark.cli import child_argv
+    from linattn_tools.benchmark.cli import child_argv
 
     argv = ["--sizes", "64", "128", "--methods", "softmax", "lln", "--isolate", "--json", "x.json",
             "--docs=d.md", "--quick", "--fit-range", "4", "8"]
@@ -173,9 +175,9 @@ def test_write_section_replaces_only_its_own_block(tmp_path):
 
 
 def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section(tmp_path):
-    """scripts/compare_ops.py against HEAD's own ops: every case measured on both sides, the section written."""
+    """linattn_tools/benchmark/compare_ops.py against HEAD's own ops: every case measured on both sides, the section written."""
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_ops.py"), "--baseline", "HEAD",
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.benchmark.compare_ops", "--baseline", "HEAD",
                            "--sizes", "64", "--repeats", "1", "--malloc", "default", "--json", str(out),
                            "--docs", str(doc), "--section", "ops"], capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,7 +194,7 @@ def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section
 def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(tmp_path):
     """--processes 2: each point measured by two child processes; the row is their median, with the range."""
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_ops.py"), "--baseline", "HEAD",
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.benchmark.compare_ops", "--baseline", "HEAD",
                            "--sizes", "64", "--cases", "lln", "lavo causal", "--repeats", "1", "--processes", "2",
                            "--malloc", "default", "--json", str(out), "--docs", str(doc), "--section", "ops"],
                           capture_output=True, text=True, timeout=300, env=ENV)
@@ -208,9 +210,7 @@ def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(t
 def test_model_memory_tables_count_a_point_over_the_time_budget_whose_peak_was_measured():
     """An update over the time budget still had its memory measured: the memory table shows it (with the budget
     it exceeded) and the longest-N fit goes through it; a point skipped before running does not count."""
-    spec = importlib.util.spec_from_file_location("benchmark_model", ROOT / "scripts" / "benchmark_model.py")
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
+    from linattn_tools.benchmark import model as bm
     gib = 2 ** 30
     rows = [{"n": 4096, "status": "ok", "peak_bytes": 3 * gib, "state_bytes": gib, "median_s": 30.0},
             {"n": 8192, "status": "over budget", "peak_bytes": 6 * gib, "state_bytes": gib, "median_s": 310.0,

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fairseq_linattn.analysis import (
+from linattn.analysis import (
     entropy,
     lln_temperature,
     log_moments,
@@ -12,7 +12,7 @@ from fairseq_linattn.analysis import (
     sparsity,
     spectral_gap,
 )
-from fairseq_linattn.ops import softmax_attention_weights
+from linattn.ops import softmax_attention_weights
 
 F64 = torch.float64
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_linattn import cpu_ddp
+from linattn_tools import cpu_ddp
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def rank_script(tmp_path: Path) -> Path:
 
 
 def launcher(tmp_path: Path, fail: bool):
-    cmd = [sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+    cmd = [sys.executable, "-m", "linattn_tools.cpu_ddp", "--nproc", "2", "--train-command",
            f"{sys.executable} {rank_script(tmp_path)}", "--", "DATA", "--task", "x"]
     env = {**os.environ, "FAKE_FAIL": "1" if fail else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -262,7 +262,7 @@ def test_ranks_run_with_glibc_keeping_freed_memory(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(MALLOC_TRIM_THRESHOLD_="4096",  # the user's own setting is kept
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.cpu_ddp", "--nproc", "2", "--train-command",
                            f"{sys.executable} {script}", "--", "DATA"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

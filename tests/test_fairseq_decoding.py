@@ -8,7 +8,7 @@ from fairseq.data import Dictionary
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import rel_err
-from fairseq_linattn.methods import methods_for
+from linattn.methods import methods_for
 from fairseq_data import USER_DIR
 
 # small windows, blocks and chunks so that 16 tokens cross several; LLN's alpha != beta

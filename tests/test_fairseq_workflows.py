@@ -120,7 +120,7 @@ def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, t
             "lln,lavo", "--lln-alpha", "2", "--lln-beta", "2", "--lavo-window", "8", "--tokens-per-sample", "32",
             "--batch-size", "4", "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4",
             "--dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1", "--no-progress-bar"]
-    two = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--", *args,
+    two = subprocess.run([sys.executable, "-m", "linattn_tools.cpu_ddp", "--nproc", "2", "--", *args,
                           "--save-dir", str(tmp_path / "two")], capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-4000:]
     assert "distributed init (rank 1)" in two.stderr + two.stdout or "world_size: 2" in two.stderr
@@ -134,7 +134,7 @@ def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, t
     # resuming: rank 0 loads checkpoint_last.pt and fairseq broadcasts it as a pickle to rank 1
     more = [*args, "--save-dir", str(tmp_path / "two")]
     more[more.index("--max-update") + 1] = "6"
-    resumed = subprocess.run([sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--", *more],
+    resumed = subprocess.run([sys.executable, "-m", "linattn_tools.cpu_ddp", "--nproc", "2", "--", *more],
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "@ 4 updates" in resumed.stderr + resumed.stdout  # "Loaded checkpoint ... (epoch 1 @ 4 updates)"
@@ -187,7 +187,7 @@ def ddp_and_one_process(tmp_path, lines, *extra):
             "--attention-dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1",
             "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--disable-validation", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    runs = {"two": [sys.executable, "-m", "fairseq_linattn.cpu_ddp", "--nproc", "2", "--train-command",
+    runs = {"two": [sys.executable, "-m", "linattn_tools.cpu_ddp", "--nproc", "2", "--train-command",
                     f"{sys.executable} {script}", "--", *args, "--batch-size", "4"],
             "one": [sys.executable, str(script), *args, "--cpu", "--batch-size", "8"]}
     records, logs, states = {}, {}, {}

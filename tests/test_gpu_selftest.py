@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_linattn.recipes import gpu_selftest
+from linattn_tools.recipes import gpu_selftest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_help_says_what_it_does_and_how_long():
 
 def test_op_checks_pass_on_the_cpu_and_catch_a_wrong_op():
     cases = gpu_selftest.op_cases(2, 8)
-    from fairseq_linattn.methods import METHODS
+    from linattn.methods import METHODS
     assert set(cases) == {f"{name} {role}" for name, m in METHODS.items() for role in m.roles}
     some = {name: cases[name] for name in ("softmax decoder", "lln encoder", "lavo decoder", "skyformer encoder",
                                             "lavo cross")}

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import rel_err
-from fairseq_linattn import ops
-from fairseq_linattn.ops.lavo import (
+from linattn import ops
+from linattn.ops.lavo import (
     lavo_attention,
     lavo_attention_reference,
     lavo_cross_attention,

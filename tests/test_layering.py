@@ -1,4 +1,5 @@
-"""The layers stay visible: pure ops, no fairseq until it is needed, models registered whenever fairseq loads."""
+"""The layers stay visible: ``linattn`` (pure PyTorch) -> ``fairseq_linattn`` (the plugin) -> ``linattn_tools``."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,18 +11,34 @@ def python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
-def test_importing_the_ops_imports_no_fairseq_and_patches_nothing():
+def imports(package: str):
+    """(path, imported module) for every import statement under ROOT/package."""
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for match in re.finditer(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", path.read_text(), re.MULTILINE):
+            yield path.relative_to(ROOT), match.group(1) or match.group(2)
+
+
+def test_importing_linattn_imports_no_fairseq_and_patches_nothing():
     proc = python("import sys, torch\n"
                   "load = torch.load\n"
-                  "import fairseq_linattn.ops, fairseq_linattn.methods\n"
+                  "import linattn.ops, linattn.methods, linattn.analysis\n"
                   "assert 'fairseq' not in sys.modules, 'fairseq imported'\n"
                   "assert torch.load is load\n"
-                  "assert not [m for m in sys.modules if m.startswith('fairseq_linattn.modules')]\n")
+                  "assert not [m for m in sys.modules if m.startswith(('fairseq_linattn', 'linattn_tools'))]\n")
     assert proc.returncode == 0, proc.stderr
 
 
+def test_each_layer_imports_only_the_layers_below_it():
+    for path, module in imports("linattn"):
+        assert not module.startswith(("fairseq", "linattn_tools")), f"{path} imports {module}"
+    for path, module in imports("fairseq_linattn"):
+        assert not module.startswith("linattn_tools"), f"{path} imports {module}"
+
+
 def test_the_ops_hold_pure_tensor_functions():
-    for path in (ROOT / "fairseq_linattn" / "ops").glob("*.py"):
+    paths = list((ROOT / "linattn" / "ops").rglob("*.py"))
+    assert len(paths) >= 10
+    for path in paths:
         text = path.read_text()
         for banned in ("nn.Module", "torch.distributed", "argparse", "import fairseq", "from fairseq"):
             assert banned not in text, f"{path.name} uses {banned}"
@@ -32,18 +49,25 @@ def test_models_import_no_analysis():
         assert "analysis" not in path.read_text().replace("the analysis layer", ""), path.name
 
 
-def test_models_are_registered_when_fairseq_is_imported_after_the_plugin():
-    # fairseq's import_user_module skips a user-dir already in sys.modules: registration must not depend on it
-    proc = python("import fairseq_linattn.ops\n"
-                  "import fairseq\n"
+def test_the_user_dir_import_registers_the_plugin_with_plain_imports_and_loads_no_tool_code():
+    # what `fairseq-train --user-dir fairseq_linattn` does: fairseq imports the directory's basename
+    proc = python("import sys\n"
+                  "from fairseq import utils\n"
+                  "from argparse import Namespace\n"
+                  "utils.import_user_module(Namespace(user_dir='fairseq_linattn'))\n"
                   "from fairseq.models import ARCH_MODEL_REGISTRY\n"
                   "from fairseq.tasks import FairseqTask\n"
                   "assert {'linattn_roberta_tiny', 'linattn_lm_tiny', 'linattn_transformer_tiny'} <= set(ARCH_MODEL_REGISTRY)\n"
-                  "assert FairseqTask._linattn_metrics\n")
+                  "assert FairseqTask._linattn_metrics\n"
+                  "ours = [f for f in sys.meta_path if type(f).__module__.startswith(('fairseq_linattn', 'linattn'))]\n"
+                  "assert not ours, f'import hooks installed: {ours}'\n"
+                  "tools = [m for m in sys.modules if m.startswith('linattn_tools')]\n"
+                  "assert not tools, tools\n"
+                  "assert not [m for m in sys.modules if m.startswith(('matplotlib', 'linattn.analysis.synthetic'))]\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_models_are_registered_when_our_modules_import_fairseq_first():
+def test_models_are_registered_when_a_module_of_the_plugin_is_imported_first():
     proc = python("from fairseq_linattn.modules.attention import build_attention\n"
                   "from fairseq.models import ARCH_MODEL_REGISTRY\n"
                   "assert 'linattn_lm_tiny' in ARCH_MODEL_REGISTRY\n")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fairseq_linattn import ops
-from fairseq_linattn.ops.lln import lln_decode_init, lln_decode_step
+from linattn import ops
+from linattn.ops.lln import lln_decode_init, lln_decode_step
 from conftest import padding_mask, rel_err
 from util_memory import LargestTensor
 

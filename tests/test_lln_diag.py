@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fairseq_linattn import ops
-from fairseq_linattn.ops.lln_diag import mix_lln_diag
+from linattn import ops
+from linattn.ops.lln_diag import mix_lln_diag
 from conftest import padding_mask, rel_err
 from util_memory import LargestTensor
 

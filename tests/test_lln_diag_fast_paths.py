@@ -3,9 +3,9 @@ also with one block / one chunk per working pass."""
 import pytest
 import torch
 
-from fairseq_linattn import ops
-from fairseq_linattn.ops import block_softmax as bs_mod
-from fairseq_linattn.ops import lln as lln_mod
+from linattn import ops
+from linattn.ops import block_softmax as bs_mod
+from linattn.ops import lln as lln_mod
 import conftest
 from conftest import padding_mask
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import padding_mask, rel_err
-from fairseq_linattn.methods import METHODS
+from linattn.methods import METHODS
 from fairseq_linattn.modules.attention import build_attention
 
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]

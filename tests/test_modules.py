@@ -3,7 +3,7 @@ import pytest
 import torch
 from fairseq.modules import MultiheadAttention
 
-from fairseq_linattn.methods import METHODS, methods_for
+from linattn.methods import METHODS, methods_for
 from fairseq_linattn.modules import build_attention
 from conftest import rel_err
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fairseq_linattn import ops
-from fairseq_linattn.fit_moments import main
+from linattn import ops
+from linattn_tools.fit_moments import main
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
-from fairseq_linattn.ops.moment_matching import (PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants,
+from linattn.ops.moment_matching import (PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants,
                                                  lln_alpha_beta, lln_variance_log_p, load_constants)
 from conftest import padding_mask
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_linattn.methods import METHODS, OPTIONS, AttentionConfig, layer_types, methods_for, options_table
+from linattn.methods import METHODS, OPTIONS, AttentionConfig, layer_types, methods_for, options_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,12 +103,12 @@ def test_build_attention_validates_a_mapping_of_options():
 
 def test_readme_options_table_is_the_registry_s():
     readme = (ROOT / "README.md").read_text()
-    assert options_table() in readme, "README's options table differs: paste `python -m fairseq_linattn.methods " \
+    assert options_table() in readme, "README's options table differs: paste `python -m linattn.methods " \
                                       "options-table`"
 
 
 def test_methods_cli_checks_a_type_for_a_role():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fairseq_linattn.methods", *a], capture_output=True,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "linattn.methods", *a], capture_output=True,
                                     text=True, cwd=ROOT)
     assert run("check", "--role", "decoder", "softmax,lavo").returncode == 0
     bad = run("check", "--role", "decoder", "softmax,skyformer")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from fairseq_linattn.recipes import paper_results as pr
+from linattn_tools.recipes import paper_results as pr
 
 
 def test_every_table_row_has_one_value_per_column_and_every_mapping_names_a_row():

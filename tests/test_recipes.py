@@ -10,10 +10,10 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-from fairseq_linattn.recipes import (config, make_samples, prepare_glue, prepare_pg19,  # noqa: E402
+from linattn_tools.recipes import (config, make_samples, prepare_glue, prepare_pg19,  # noqa: E402
                                      prepare_wikitext103, report, steps)
-from fairseq_linattn.recipes.bpe import gpt2_files, train_sentencepiece  # noqa: E402
-from fairseq_linattn.recipes.sources import SourceError, run_cli  # noqa: E402
+from linattn_tools.recipes.bpe import gpt2_files, train_sentencepiece  # noqa: E402
+from linattn_tools.recipes.sources import SourceError, run_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
@@ -192,7 +192,7 @@ def test_pg19_parquet_mirror_gives_one_document_per_book_and_max_books(tmp_path)
 
 def test_missing_dataset_or_network_fails_saying_how_to_pass_a_local_path(tmp_path, capsys):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "fairseq_linattn.recipes.prepare_glue", "--tasks", "sst2",
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.recipes.prepare_glue", "--tasks", "sst2",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
     assert "nyu-mll/glue" in proc.stderr and "--source DIR" in proc.stderr
@@ -319,7 +319,7 @@ FAKE_PYTHON = """#!/bin/sh
 # a stand-in python: records every call; stubs the registry check and torchrun; else the real python
 echo "$*" >> "$FAKE_CALLS"
 case "$1 $2" in
-  "-m fairseq_linattn.methods")
+  "-m linattn.methods")
     [ "${FAKE_CHECK_EXIT:-0}" = 0 ] || echo "--x-attention-type: invalid attention type; allowed: ..." >&2
     exit "${FAKE_CHECK_EXIT:-0}";;
   "-m torch.distributed.run") shift 2; printf '%s\\n' torchrun "$@" > "$FAKE_ARGV"; echo "torchrun $FAKE_TAG"; exit 0;;
@@ -395,7 +395,7 @@ def test_scripts_ask_the_registry_for_their_attention_role_before_doing_anything
     env = {**env, "FAKE_CHECK_EXIT": "2", "DEVICE": "cpu", "SAMPLE": "1", "SAMPLE_DATA": str(tmp_path / "none")}
     proc = run_script(script, *args, env=env, timeout=30)
     assert proc.returncode == 2 and "--x-attention-type: invalid" in proc.stderr  # the registry's message
-    assert calls.read_text().splitlines() == [f"-m fairseq_linattn.methods check --role {ROLES[script]} flash"]
+    assert calls.read_text().splitlines() == [f"-m linattn.methods check --role {ROLES[script]} flash"]
     assert not argv.exists() and not (tmp_path / "none").exists()
 
 
@@ -583,7 +583,7 @@ def test_sentencepiece_dictionary_lists_pieces_in_id_order(tmp_path):
 
 
 def test_encoding_with_several_workers_gives_the_same_lines(tmp_path):
-    from fairseq_linattn.recipes import bpe
+    from linattn_tools.recipes import bpe
 
     assets = train_sentencepiece(DATA / "wikitext_kjv" / "wiki.valid.raw", tmp_path / "spm", vocab_size=300)
     spec = bpe.tokenizer_spec("sentencepiece", assets)
@@ -609,7 +609,7 @@ def test_cpu_recipes_have_glibc_keep_freed_memory_unless_the_user_says_otherwise
 
 
 def test_cpu_ddp_ranks_keep_freed_memory_unless_the_user_says_otherwise():
-    from fairseq_linattn.malloc import KEEP_FREED_MEMORY, keeping_freed_memory
+    from linattn_tools.malloc import KEEP_FREED_MEMORY, keeping_freed_memory
 
     assert keeping_freed_memory({"A": "1"}) == {"A": "1", **KEEP_FREED_MEMORY}
     assert keeping_freed_memory({"MALLOC_TRIM_THRESHOLD_": "7"})["MALLOC_TRIM_THRESHOLD_"] == "7"

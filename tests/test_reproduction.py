@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_linattn.benchmark import fit
-from fairseq_linattn.reproduce import claims, common, decoding, ledger, lln_distribution, quickstart, skyformer_error
+from linattn_tools.benchmark import fit
+from linattn_tools.reproduce import claims, common, decoding, ledger, lln_distribution, quickstart, skyformer_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_committed_ledger_is_what_the_committed_json_renders(records):
 def test_render_check_mode_reports_a_stale_ledger(tmp_path):
     stale = tmp_path / "reproduction.md"
     stale.write_text(common.LEDGER.read_text().replace("**yes**", "**no**", 1))
-    args = [sys.executable, "-m", "fairseq_linattn.reproduce", "render", "--check", "--ledger"]
+    args = [sys.executable, "-m", "linattn_tools.reproduce", "render", "--check", "--ledger"]
     assert subprocess.run(args + [str(stale)], cwd=ROOT, capture_output=True).returncode == 1
     assert subprocess.run(args + [str(common.LEDGER)], cwd=ROOT, capture_output=True).returncode == 0
 
@@ -282,7 +282,7 @@ def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
 
 
 def test_the_decoding_vocabulary_is_gpt2_s_scaled_to_the_measured_layers():
-    from fairseq_linattn.benchmark import fairseq_models
+    from linattn_tools.benchmark import fairseq_models
 
     assert decoding.DEFAULTS["vocab"] == round(fairseq_models.GPT2_VOCAB * 2 / decoding.FULL_LAYERS / 8) * 8
     assert decoding.DEFAULTS["layers"] == 2

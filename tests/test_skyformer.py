@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from fairseq_linattn import ops
-from fairseq_linattn.ops.kernelized import gaussian_kernel, kernelized_kernel_matrix
-from fairseq_linattn.ops.skyformer import _landmark_indices, newton_schulz_inverse, skyformer_kernel_matrix
+from linattn import ops
+from linattn.ops.kernelized import gaussian_kernel, kernelized_kernel_matrix
+from linattn.ops.skyformer import _landmark_indices, newton_schulz_inverse, skyformer_kernel_matrix
 from conftest import padding_mask, rel_err
 
 

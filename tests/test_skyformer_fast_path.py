@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fairseq_linattn import ops
-from fairseq_linattn.ops import skyformer as sky_mod
+from linattn import ops
+from linattn.ops import skyformer as sky_mod
 from conftest import padding_mask
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fairseq_linattn import ops
+from linattn import ops
 from conftest import padding_mask
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fairseq_linattn.analysis import entropy, spectral_gap
+from linattn.analysis import entropy, spectral_gap
 from fairseq_linattn.analysis.module_matrix import module_attention_matrix
 from fairseq_linattn.analysis.training_stats import (collect_attention_stats, install_attention_stats,
                                                      layer_label)

@@ -1,19 +1,9 @@
-"""Concentration instruments (docs/design.md §8); fairseq is imported only where needed (modules, checkpoints).
+"""The instruments on the plugin's modules (docs/design.md §8); the measures are ``linattn.analysis``.
 
-- ``concentration``: the measures on a row-stochastic matrix (entropy, spectral gap, sparsity, ln P
-  moments, temperatures);
 - ``module_matrix``: the attention matrix of any of the plugin's attention modules, from the module's
   own ``attention_rows`` (the rows come from the ops: ``ops.softmax_attention_weights``, ...);
-- ``training_stats``: ``--attention-stats-interval`` (forward hooks, logged through ``metrics_hook``);
-- ``cli`` (``python -m fairseq_linattn.analysis``): JSON and plots for a checkpoint or Gaussian q, k.
+- ``layer_stats``: a layer's statistics for one forward;
+- ``training_stats``: ``--attention-stats-interval`` (forward hooks, logged through ``training_logs``).
 """
-from .concentration import (
-    entropy,
-    lln_temperature,
-    log_moments,
-    softmax_temperature,
-    sparsity,
-    spectral_gap,
-)
-from .module_matrix import module_attention_matrix
-from .training_stats import collect_attention_stats, install_attention_stats
+from .module_matrix import module_attention_matrix  # noqa: F401
+from .training_stats import collect_attention_stats, install_attention_stats  # noqa: F401

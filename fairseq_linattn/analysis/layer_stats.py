@@ -12,9 +12,9 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .concentration import entropy, log_moments, softmax_temperature, sparsity, spectral_gap
-from ..ops import lln_attention_weights, softmax_attention_weights
-from ..ops.moment_matching import lln_alpha_beta
+from linattn.analysis.concentration import entropy, log_moments, softmax_temperature, sparsity, spectral_gap
+from linattn.ops import lln_attention_weights, softmax_attention_weights
+from linattn.ops.moment_matching import lln_alpha_beta
 
 
 def lln_forward_parameters(module) -> Optional[Dict[str, Tensor]]:

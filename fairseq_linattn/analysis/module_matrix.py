@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops._checks import Rows
+from linattn.ops import Rows
 
 
 def projected_qk(module, query: Tensor) -> Tuple[Tensor, Tensor]:

@@ -5,10 +5,10 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
                                            base_lm_architecture, transformer_lm_gpt, transformer_lm_gpt2_small)
 
-from ..methods import METHODS, layer_types
+from linattn.methods import METHODS, layer_types
 from ..modules.layers import LinAttnTransformerDecoder
 from ..modules.options import AttentionOptions, check_attention_options
-from .hooks import after_build
+from .on_build import after_build
 
 
 @dataclass

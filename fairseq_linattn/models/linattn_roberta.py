@@ -7,7 +7,7 @@ from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
 from ..modules.layers import LinAttnTransformerEncoder
 from ..modules.options import AttentionOptions, check_attention_options
-from .hooks import after_build
+from .on_build import after_build
 
 
 class LinAttnRobertaEncoder(RobertaEncoder):

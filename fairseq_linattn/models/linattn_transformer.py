@@ -5,10 +5,10 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer.transformer_legacy import base_architecture, tiny_architecture
 
-from ..methods import AttentionConfig
+from linattn.methods import AttentionConfig
 from ..modules.layers import LinAttnTransformerDecoder, LinAttnTransformerEncoder
 from ..modules.options import AttentionOptions, check_attention_options
-from .hooks import after_build
+from .on_build import after_build
 
 
 @register_model("linattn_transformer")

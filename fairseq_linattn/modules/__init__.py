@@ -2,6 +2,3 @@
 from .attention import ATTENTION_CLASSES, AttentionBase, build_attention  # noqa: F401
 from .moment_matcher import MomentMatcher  # noqa: F401
 from .options import AttentionOptions, check_attention_options  # noqa: F401
-from .. import register
-
-register()  # fairseq is imported now (the attention modules need it): the plugin's models and fixes too

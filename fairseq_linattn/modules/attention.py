@@ -16,11 +16,9 @@ from torch import Tensor, nn
 
 from fairseq.incremental_decoding_utils import with_incremental_state
 
-from .. import ops
-from ..methods import METHODS, AttentionConfig, methods_for
-from ..ops._checks import check_key_padding_mask, compute_dtype
-from ..ops.lln import lln_decode_init, lln_decode_step
-from ..ops.lln_diag import mix_lln_diag
+from linattn import ops
+from linattn.methods import METHODS, AttentionConfig, methods_for
+from linattn.ops import check_key_padding_mask, compute_dtype, lln_decode_init, lln_decode_step, mix_lln_diag
 from .moment_matcher import MomentMatcher
 
 State = Dict[str, Optional[Tensor]]
@@ -77,14 +75,11 @@ def rows_over_real_tokens(fn):
 class AttentionBase(nn.Module):
     """Projections, layout and incremental-state plumbing shared by every method."""
 
-    method = "base"  # its name in fairseq_linattn.methods.METHODS
+    method = "base"  # its name in linattn.methods.METHODS
     takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
     uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
     caches_source = False  # True for a cross-attention that keeps only a summary of its source
-    rows_note = ""  # what ``attention_rows`` is, in a few words (the analysis reports it per layer)
-    rounding_gain = 1.0  # how much more than an exact op the method's output may round in half precision
     is_kernel_method = False  # True: ``attention_rows`` normalises the rows of a kernel C (out = C V), ``kernel_rows``
-    plot_colour = "black"  # the analysis plots' colour for this method's layers
 
     def __init__(self, embed_dim: int, num_heads: int, *, config: Optional[AttentionConfig] = None,
                  kdim: Optional[int] = None, vdim: Optional[int] = None, dropout: float = 0.0, causal: bool = False,
@@ -213,7 +208,7 @@ class AttentionBase(nn.Module):
         ``lln``: alpha, beta (shape (G,)) for LLN modules, e.g. the matcher's ``last_alpha`` / ``last_beta``
         of the forward being analysed (default: ``lln_parameters(q, k, key_padding_mask)``); others ignore it.
         Float32 for half inputs; a query with no visible key gets a row of zeros. What P is: the subclass's
-        docstring and ``rows_note``. No state of the module changes.
+        docstring and its registry entry's ``rows_note``. No state of the module changes.
         """
         raise NotImplementedError(f"{self.method} attention has no attention rows")
 
@@ -284,7 +279,6 @@ class SoftmaxAttention(AttentionBase):
 
     method = "softmax"
     takes_attn_mask = True
-    rows_note = "exact: P V is the output"
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         p = self.dropout if self.training else 0.0
@@ -321,8 +315,6 @@ class LLNAttention(AttentionBase):
     """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (docs/design.md §3.1)."""
 
     method = "lln"
-    rows_note = "exact: P V is the output"
-    plot_colour = "tab:blue"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -398,8 +390,6 @@ class LLNDiagAttention(LLNAttention):
     """LLN+Diag (LLN §4.2): LLN mixed with softmax inside diagonal blocks."""
 
     method = "lln_diag"
-    rows_note = "exact for mix 'average'; head-mean mix weights otherwise"
-    plot_colour = "tab:purple"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -459,8 +449,6 @@ class KernelizedAttention(AttentionBase):
 
     method = "kernelized"
     is_kernel_method = True
-    rows_note = "kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)"
-    plot_colour = "tab:red"
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
@@ -484,9 +472,6 @@ class SkyformerAttention(AttentionBase):
 
     method = "skyformer"
     is_kernel_method = True
-    rows_note = "Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1"
-    plot_colour = "tab:brown"
-    rounding_gain = 10.0  # the Nyström (pseudo-)inverse amplifies half-precision rounding (GPU self-test tolerance)
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)
@@ -525,8 +510,6 @@ class LAVOAttention(AttentionBase):
     """LAVO (orthogonal memory + context dissection + relative bias, LAVO §3); self- or cross-attention."""
 
     method = "lavo"
-    rows_note = "token mixing 0.5 (local + memory mean); values also pass a per-query channel projection"
-    plot_colour = "tab:olive"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)

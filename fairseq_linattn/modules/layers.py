@@ -10,7 +10,7 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder, Tr
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from ..methods import AttentionConfig, layer_types
+from linattn.methods import AttentionConfig, layer_types
 from .attention import build_attention
 
 

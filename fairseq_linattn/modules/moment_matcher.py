@@ -1,5 +1,5 @@
 """The moment-matching hook of an LLN module (LLN §4.1; docs/design.md §3.1): running statistics of
-q and k -> alpha, beta. The formulas are the pure functions of ``fairseq_linattn.ops.moment_matching``;
+q and k -> alpha, beta. The formulas are the pure functions of ``linattn.ops.moment_matching``;
 this module keeps the state (EMA buffers), the train/eval behaviour and the all-reduce across ranks.
 """
 import contextlib
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops._checks import check_key_padding_mask, check_positive_int, compute_dtype
-from ..ops.moment_matching import (MIN_SIGMA, MODES, PAPER_A, PAPER_B, STATS, _as_f64, _check_scale_limit,
+from linattn.ops import check_key_padding_mask, check_positive_int, compute_dtype
+from linattn.ops.moment_matching import (MIN_SIGMA, MODES, PAPER_A, PAPER_B, STATS, _as_f64, _check_scale_limit,
                                    _is_number, exact_moment_table, lln_alpha_beta, load_constants)
 
 _F64 = torch.float64
@@ -78,7 +78,7 @@ class MomentMatcher(nn.Module):
         if mode == "fit":
             if (constants_file is None) == (a is None or b is None):
                 raise ValueError("mode='fit' needs either constants_file (a JSON written by `python -m "
-                                 "fairseq_linattn.fit_moments`) or both a and b, not both")
+                                 "linattn_tools.fit_moments`) or both a and b, not both")
             if constants_file is not None:
                 constants = load_constants(constants_file)
                 if constants.get("head_dim", head_dim) != head_dim:

@@ -1,4 +1,4 @@
-"""The plugin's options as fairseq sees them: one dataclass derived from ``fairseq_linattn.methods``.
+"""The plugin's options as fairseq sees them: one dataclass derived from ``linattn.methods``.
 
 Architecture functions call ``check_attention_options(args, ...)``; fairseq runs them right after
 parsing, so a bad value stops ``fairseq-train`` before any data is loaded.
@@ -8,8 +8,7 @@ from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..fairseq_compat import bf16_without_xla
-from ..methods import OPTIONS, AttentionConfig, option_type
+from linattn.methods import OPTIONS, AttentionConfig, option_type
 
 
 def _fairseq_field(o):
@@ -20,16 +19,12 @@ def _fairseq_field(o):
 AttentionOptions = dataclasses.make_dataclass(
     "AttentionOptions", [_fairseq_field(o) for o in OPTIONS.values()], bases=(FairseqDataclass,))
 AttentionOptions.__module__ = __name__
-AttentionOptions.__doc__ = "fairseq's view of ``fairseq_linattn.methods.OPTIONS`` (model configs inherit it)."
+AttentionOptions.__doc__ = "fairseq's view of ``linattn.methods.OPTIONS`` (model configs inherit it)."
 
 
 def check_attention_options(args, *, encoder_layers: Optional[int] = None,
                             decoder_layers: Optional[int] = None) -> AttentionConfig:
-    """Validate the plugin's options in ``args`` (see ``AttentionConfig.validate``) and return them typed.
-
-    Also makes ``--bf16`` usable without torch_xla (``fairseq_compat.bf16_without_xla``).
-    """
-    bf16_without_xla(args)
+    """Validate the plugin's options in ``args`` (see ``AttentionConfig.validate``) and return them typed."""
     config = AttentionConfig.from_args(args)
     config.validate(encoder_layers=encoder_layers, decoder_layers=decoder_layers)
     return config

@@ -1,7 +1,0 @@
-"""Benchmark helpers shared by ``scripts/benchmark_attention.py`` and ``scripts/benchmark_model.py``.
-
-- ``measure``: wall-clock time (median of repeats after warm-up), peak memory, matmul rate, machine
-- ``flops``: matmul FLOPs of each attention, from the algorithm
-- ``sweep``: runs one method over growing sizes and stops it at a time/memory budget
-- ``report``: scaling exponents, markdown tables, log-log plots, the results section of the docs
-"""

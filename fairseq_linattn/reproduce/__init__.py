@@ -1,8 +1,0 @@
-"""The reproduction ledger: which of the LLN, LAVO and Skyformer papers' quantitative claims hold here.
-
-One module per group of claims measures what this machine can check and writes one JSON file in
-``docs/reproduction/`` (``lln_distribution``, ``lln_cost``, ``quickstart``, ``skyformer_error``,
-``decoding``); ``claims`` states every claim with the paper's figure and a test computed from that
-JSON; ``ledger`` renders ``docs/reproduction.md``. Command line: ``python -m fairseq_linattn.reproduce``
-(``scripts/reproduce.sh`` wraps it).
-"""

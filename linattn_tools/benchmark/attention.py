@@ -1,0 +1,292 @@
+"""Forward+backward time and peak memory of every attention op against sequence length.
+
+Compares each op of ``linattn.ops`` with PyTorch's ``scaled_dot_product_attention`` (the
+``softmax`` op), causal and non-causal where defined, at N = 512 ... 32768 (LLN Table 2, LAVO
+Table 2, Skyformer Table 2). Writes a JSON, a markdown table (also into docs/benchmarks.md with
+``--docs``), a log-log PNG, the fitted scaling exponents and, for every method, the ratio of its
+time to its FLOP floor (matmul FLOPs of the algorithm over a matmul rate measured in the same run).
+
+    python linattn_tools/benchmark/attention.py                       # the full sweep (~20 min on 2 cores)
+    python linattn_tools/benchmark/attention.py --quick --json /tmp/a.json
+    python linattn_tools/benchmark/attention.py --from-json docs/benchmarks/attention.json --docs docs/benchmarks.md
+
+One call = forward + ``torch.autograd.grad`` of the output w.r.t. q, k, v (and LAVO's bases and
+bias), fp32 by default. Memory: see ``linattn_tools.benchmark.measure``.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+from linattn import ops
+from linattn_tools.benchmark import cli, flops, measure, report, sweep
+from linattn.methods import METHODS as REGISTRY, methods_for
+
+# the registry's methods with an op of their own, and block softmax (LLN+Diag's Diag part) beside them
+METHODS = tuple(m for m in REGISTRY) + ("block_softmax",)
+CAUSAL = set(methods_for("decoder")) | {"block_softmax"}
+QUADRATIC = ("softmax", "kernelized")  # the exact N×N methods: every other one is plotted as linear
+LINEAR = tuple(m for m in METHODS if m not in QUADRATIC)
+DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
+# issue 15: peak memory above the inputs against SDPA's (same N, same causality)
+MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
+                  "lavo causal": 1.25, "skyformer": 1.5}
+DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
+QUICK = dict(sizes=[64, 128], heads=2, head_dim=16, repeats=1, min_repeats=1, warmup=1, point_seconds=1.0,
+             chunk_size=16, block_size=16, lavo_window=16, lavo_bases=8, landmarks=16)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--modes", nargs="+", choices=["non-causal", "causal"], default=["non-causal", "causal"])
+    p.add_argument("--chunk-size", type=int, default=64, help="causal LLN chunk")
+    p.add_argument("--block-size", type=int, default=64, help="LLN+Diag / block softmax block")
+    p.add_argument("--lavo-window", type=int, default=64)
+    p.add_argument("--lavo-bases", type=int, default=64)
+    p.add_argument("--landmarks", type=int, default=128, help="Skyformer landmarks")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per point (median reported)")
+    p.add_argument("--min-repeats", type=int, default=3)
+    p.add_argument("--point-seconds", type=float, default=30.0,
+                   help="fewer repeats (not below --min-repeats) when they would take longer than this")
+    p.add_argument("--time-budget", type=float, default=60.0, help="seconds per call; a method stops above it")
+    p.add_argument("--memory-budget-gib", type=float, default=8.0, help="a method stops above this peak")
+    p.add_argument("--no-memory", action="store_true", help="skip the (profiled) memory measurement")
+    p.add_argument("--fit-range", type=int, nargs=2, default=[4096, 32768], help="N range of the exponents")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure each series in a process of its own (with --malloc both: its keep times right "
+                        "after it), so that no other op's allocations, and no drift of the machine between the "
+                        "two allocators' runs, enter its times")
+    cli.add_output_arguments(p, "attention", DEFAULT_JSON, DEFAULT_PLOT, malloc_default="both")
+    return cli.finish_args(p.parse_args(argv), QUICK, DEFAULT_JSON, DEFAULT_PLOT)
+
+
+def make_inputs(n: int, args, device, dtype) -> dict:
+    """q, k, v ~ N(0, 1) (B, H, N, D) needing grad, LLN's moment-matched alpha, beta for sigma = 1,
+    LAVO's orthogonal bases and zero bias as parameters, and a fixed output gradient."""
+    g = torch.Generator(device="cpu").manual_seed(n)
+    shape = (args.batch, args.heads, n, args.head_dim)
+    q, k, v, grad = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(4))
+    alpha, beta = (float(x) for x in ops.lln_alpha_beta(torch.tensor(1.0), torch.tensor(1.0)))
+    bases = ops.lavo_init_bases(args.heads, args.lavo_bases, args.head_dim).to(device, dtype)
+    pos_bias = torch.zeros(args.heads, 2 * args.lavo_window - 1, device=device, dtype=dtype)
+    return {"qkv": [t.requires_grad_() for t in (q, k, v)], "grad": grad, "alpha": alpha, "beta": beta,
+            "lavo": [bases.requires_grad_(), pos_bias.requires_grad_()]}
+
+
+def forward(method: str, causal: bool, x: dict, args):
+    """The op's output and the tensors its gradient is taken for."""
+    q, k, v = x["qkv"]
+    if method == "softmax":
+        return ops.softmax_attention(q, k, v, causal=causal), x["qkv"]
+    if method == "lln":
+        return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=args.chunk_size), x["qkv"]
+    if method == "lln_diag":
+        return ops.lln_diag_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=args.chunk_size,
+                                      block_size=args.block_size), x["qkv"]
+    if method == "block_softmax":
+        return ops.block_softmax_attention(q, k, v, block_size=args.block_size, causal=causal), x["qkv"]
+    if method == "lavo":
+        bases, pos_bias = x["lavo"]
+        out = ops.lavo_attention(q, k, v, bases, pos_bias, window=args.lavo_window, causal=causal)
+        return out, x["qkv"] + x["lavo"]
+    if method == "skyformer":  # training-mode landmarks (redrawn per call)
+        return ops.skyformer_attention(q, k, v, num_landmarks=args.landmarks, training=True), x["qkv"]
+    if method == "kernelized":
+        return ops.kernelized_attention(q, k, v), x["qkv"]
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def case(method: str, causal: bool, args):
+    def build(n, x):
+        def call():
+            out, wrt = forward(method, causal, x, args)
+            return torch.autograd.grad(out, wrt, x["grad"])
+        return call
+    return build
+
+
+def series_name(method: str, causal: bool) -> str:
+    return f"{method} causal" if causal else method
+
+
+def series_list(args):
+    """(name, method, causal) of every series the arguments ask for."""
+    return [(series_name(m, mode == "causal"), m, mode == "causal") for mode in args.modes for m in args.methods
+            if mode != "causal" or m in CAUSAL]
+
+
+def measure_isolated(args) -> dict:
+    """Each series measured by a child process of this script (``--isolate``), the results merged."""
+    base = cli.child_argv(sys.argv[1:], cli._OUTPUTS + ("--methods", "--modes"), ("--isolate",))
+    parts = []
+    for name, method, causal in series_list(args):
+        print(f"[isolate] {name}", flush=True)
+        parts.append(cli.run_child(base + ["--malloc", args.malloc, "--methods", method,
+                                           "--modes", "causal" if causal else "non-causal"]))
+    rates = {}
+    for part in parts:
+        for n, rate in part["matmul_flops"].items():
+            rates.setdefault(n, []).append(rate)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"config": config, "machine": parts[0]["machine"], "load_start": parts[0]["load_start"],
+            "load_end": parts[-1]["load_end"], "series": {k: v for p in parts for k, v in p["series"].items()},
+            "points": {k: v for p in parts for k, v in p["points"].items()},
+            "matmul_flops": {n: sorted(r)[len(r) // 2] for n, r in rates.items()}}
+
+
+def measure_all(args) -> dict:
+    if args.isolate:
+        return measure_isolated(args)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases, meta = {}, {}
+    for name, method, causal in series_list(args):
+        cases[name] = case(method, causal, args)
+        meta[name] = {"method": method, "causal": causal}
+    load = measure.load_average()
+    machine = measure.machine_info(device)
+    result = sweep.run(cases, args.sizes, device, setup=lambda n: make_inputs(n, args, device, dtype),
+                       time_budget=args.time_budget, memory_budget=args.memory_budget_gib * 2 ** 30,
+                       warmup=args.warmup, repeats=args.repeats, min_repeats=args.min_repeats,
+                       point_seconds=args.point_seconds, measure_memory=not args.no_memory)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"config": config, "machine": machine, "load_start": load, "load_end": measure.load_average(),
+            "series": meta, "points": result["points"],
+            "matmul_flops": {str(n): rate for n, rate in result["matmul_flops"].items()}}
+
+
+def floor_ratio(res: dict, name: str, row: dict) -> float:
+    """Measured time over the FLOP floor (training matmul FLOPs / the matmul rate at that N)."""
+    c, m = res["config"], res["series"][name]
+    opts = {"chunk_size": c["chunk_size"], "block_size": c["block_size"], "window": c["lavo_window"],
+            "bases": c["lavo_bases"], "landmarks": c["landmarks"]}  # the names flops.forward_flops reads
+    work = flops.training_flops(m["method"], row["n"], c["batch"], c["heads"], c["head_dim"], causal=m["causal"],
+                                opts=opts)
+    return row["median_s"] / (work / res["matmul_flops"][str(row["n"])])
+
+
+def _row(res: dict, name: str, n: int):
+    for r in res["points"].get(name, []):
+        if r["n"] == n and r["status"] == "ok":
+            return r
+    return None
+
+
+def targets(res: dict) -> list:
+    """The issue's targets on this machine, from the measured medians (n/a when a point is missing)."""
+    out = []
+
+    def ratio(a, b, n):
+        """time of b / time of a: the speed-up of a over b."""
+        ra, rb = _row(res, a, n), _row(res, b, n)
+        return None if ra is None or rb is None else rb["median_s"] / ra["median_s"]
+
+    def add(text, value, ok, fmt="{:.1f}×"):
+        out.append({"target": text, "measured": "n/a" if value is None else fmt.format(value),
+                    "met": value is not None and ok(value)})
+
+    add("non-causal LLN at N=8192 ≥ 30× faster than SDPA", ratio("lln", "softmax", 8192), lambda x: x >= 30)
+    row = _row(res, "lln", 8192)
+    add("non-causal LLN at N=8192 within 3× of its FLOP floor",
+        None if row is None else floor_ratio(res, "lln", row), lambda x: x <= 3, "{:.2f}×")
+    add("causal LLN at N=8192 ≥ 15× faster than causal SDPA", ratio("lln causal", "softmax causal", 8192),
+        lambda x: x >= 15)
+    lo, hi = res["config"]["fit_range"]
+    add(f"causal LLN memory exponent over N={lo}–{hi} ≤ 1.1",
+        report.scaling_exponent(res["points"].get("lln causal", []), "peak_bytes", lo, hi), lambda x: x <= 1.1,
+        "{:.2f}")
+    for suffix in ("", " causal"):
+        add(f"LLN+Diag{suffix} at N=8192 ≤ 1.25× LLN{suffix} (time ratio)",
+            ratio("lln" + suffix, "lln_diag" + suffix, 8192), lambda x: x <= 1.25, "{:.2f}×")
+    add("Skyformer (128 landmarks) at N=8192 ≥ 15× faster than SDPA", ratio("skyformer", "softmax", 8192),
+        lambda x: x >= 15)
+    add("causal LAVO (w=64, r=64) at N=16384 ≥ 25× faster than causal SDPA",
+        ratio("lavo causal", "softmax causal", 16384), lambda x: x >= 25)
+    big = [n for n in res["config"]["sizes"] if 4096 <= n <= 32768]
+    for name, limit in MEMORY_TARGETS.items():
+        base = "softmax causal" if name.endswith("causal") else "softmax"
+        pairs = [(_row(res, name, n), _row(res, base, n)) for n in big]
+        worst = [a["peak_bytes"] / b["peak_bytes"] for a, b in pairs if a and b and a.get("peak_bytes") and b.get("peak_bytes")]
+        add(f"{name}: peak memory ≤ {limit}× SDPA's at N={big[0] if big else 4096}–{big[-1] if big else 32768} (worst N)",
+            max(worst) if worst else None, lambda x, limit=limit: x <= limit, "{:.2f}×")
+    for name in MEMORY_TARGETS:
+        rows = [_row(res, name, n) for n in (16384, 32768)]
+        slow = [r["median_s"] / r["keep_median_s"] for r in rows if r and r.get("keep_median_s")]
+        add(f"{name}: time with glibc's defaults ≤ 1.5× with --malloc keep at N=16384, 32768 (worst N)",
+            max(slow) if slow else None, lambda x: x <= 1.5, "{:.2f}×")
+    return out
+
+
+def render(res: dict, image: str) -> str:
+    """The results section: machine, settings, targets, then time, memory, speed-up and FLOP-floor tables."""
+    c = res["config"]
+    sizes = c["sizes"]
+    lo, hi = c["fit_range"]
+    pts = res["points"]
+    exps = {name: {f"exponent N={lo}–{hi}": report.fmt_exponent(report.scaling_exponent(rows, "median_s", lo, hi))}
+            for name, rows in pts.items()}
+    mem_exps = {name: {f"exponent N={lo}–{hi}": report.fmt_exponent(report.scaling_exponent(rows, "peak_bytes",
+                                                                                             lo, hi))}
+                for name, rows in pts.items()}
+    keep = any("keep_median_s" in r for rows in pts.values() for r in rows)
+    time_table = report.table(pts, sizes, lambda r: f"{r['median_s'] * 1e3:.1f}" + (
+        f" ({r['keep_median_s'] * 1e3:.1f})" if "keep_median_s" in r else ""), exps)
+    time_title = ("**Forward + backward time (ms), glibc's default allocator (in brackets: `--malloc keep`)**"
+                  if keep else "**Forward + backward time (ms)**")
+    mem_table = report.table(pts, sizes, lambda r: None if r.get("peak_bytes") is None
+                             else f"{r['peak_bytes'] / report.MiB:.1f}", mem_exps)
+    floor = {name: [dict(r, floor=floor_ratio(res, name, r)) if r["status"] == "ok" else r for r in rows]
+             for name, rows in pts.items() if res["series"][name]["method"] in LINEAR}
+    floor_table = report.table(floor, sizes, lambda r: f"{r['floor']:.2f}")
+    speed = {}
+    for name, rows in pts.items():
+        base = "softmax causal" if res["series"][name]["causal"] else "softmax"
+        if name != base and base in pts:
+            speed[name] = [dict(r, speedup=_row(res, base, r["n"])["median_s"] / r["median_s"])
+                           if r["status"] == "ok" and _row(res, base, r["n"]) else r for r in rows]
+    speed_table = report.table(speed, sizes, lambda r: f"{r['speedup']:.1f}" if "speedup" in r else "n/a")
+    rates = ", ".join(f"{int(n)}: {rate / 1e9:.0f}" for n, rate in res["matmul_flops"].items())
+    return "\n\n".join([
+        report.machine_lines(res["machine"], res["load_start"]) +
+        f" Load at the end: {', '.join(f'{x:.2f}' for x in res['load_end'])}.",
+        f"B={c['batch']}, H={c['heads']}, D={c['head_dim']}, {c['dtype']}; one call = forward + gradient "
+        f"w.r.t. q, k, v; median of {c['min_repeats']}–{c['repeats']} calls after {c['warmup']} warm-up; "
+        f"budget {c['time_budget']:g} s per call and {c['memory_budget_gib']:g} GiB. Options: causal LLN "
+        f"chunk {c['chunk_size']}, blocks {c['block_size']}, LAVO w={c['lavo_window']} r={c['lavo_bases']}, "
+        f"Skyformer {c['landmarks']} landmarks. \"skipped\": the last two points predicted more than the "
+        "budget.",
+        f"![attention benchmark: time and memory against N]({image})" if image else "",
+        "**Targets**\n\n" + report.targets_table(targets(res)),
+        time_title + "\n\n" + time_table,
+        "**Peak memory above the inputs (MiB)**\n\n" + mem_table,
+        "**Speed-up over SDPA (softmax; causal over causal)**\n\n" + speed_table,
+        "**Time over FLOP floor** (matmul FLOPs of forward+backward / matmul rate; rate in GFLOP/s at each "
+        f"N: {rates})\n\n" + floor_table,
+    ])
+
+
+def plot(res: dict, path: Path) -> None:
+    c = res["config"]
+    report.plot_loglog(res["points"], path, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
+                       f"D={c['head_dim']}, {c['dtype']}")
+
+
+def main(argv=None):
+    cli.run(parse_args(argv), argv, "attention results", measure_all, plot, render)
+
+
+if __name__ == "__main__":
+    main()
