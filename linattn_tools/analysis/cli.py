@@ -93,9 +93,7 @@ def load_checkpoint(path: str, data: str):
         raise AnalysisError("--data DIR is required with a checkpoint (the data directory of its task)")
     if not os.path.isdir(data):
         raise AnalysisError(f"--data: directory not found: {data}")
-    import fairseq_linattn
-
-    fairseq_linattn.register()  # the models, before the checkpoint is read
+    import fairseq_linattn  # noqa: F401  (registers the models before the checkpoint is read)
     from fairseq import checkpoint_utils
 
     from fairseq_linattn.analysis.training_stats import self_attention_modules
