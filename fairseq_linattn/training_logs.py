@@ -22,7 +22,7 @@ PREFIX = "linattn_"
 
 def attention_stats(model) -> Dict[str, float]:
     """Mean over the model's LLN layers of sigma_q, sigma_k, alpha, beta, tau (from the last forward)."""
-    from .modules.attention import LLNAttention
+    from .modules.lln import LLNAttention
 
     names = ("sigma_q", "sigma_k", "alpha", "beta", "tau")
     rows = []

@@ -11,7 +11,7 @@ from conftest import padding_mask
 from linattn import ops
 from linattn.analysis import entropy, log_moments, sparsity, spectral_gap
 from linattn.methods import METHODS
-from fairseq_linattn.modules.attention import ATTENTION_CLASSES, build_attention
+from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
 
 F64 = torch.float64
 E, H, T, B = 16, 2, 23, 3

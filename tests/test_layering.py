@@ -68,7 +68,7 @@ def test_the_user_dir_import_registers_the_plugin_with_plain_imports_and_loads_n
 
 
 def test_models_are_registered_when_a_module_of_the_plugin_is_imported_first():
-    proc = python("from fairseq_linattn.modules.attention import build_attention\n"
+    proc = python("from fairseq_linattn.modules.build import build_attention\n"
                   "from fairseq.models import ARCH_MODEL_REGISTRY\n"
                   "assert 'linattn_lm_tiny' in ARCH_MODEL_REGISTRY\n")
     assert proc.returncode == 0, proc.stderr[-3000:]

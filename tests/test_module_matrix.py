@@ -8,7 +8,7 @@ import torch
 from conftest import padding_mask
 from linattn.analysis import entropy, spectral_gap
 from fairseq_linattn.analysis.module_matrix import module_attention_matrix, projected_qk
-from fairseq_linattn.modules.attention import build_attention
+from fairseq_linattn.modules import build_attention
 from linattn.ops import lavo_token_mixing
 
 E, H, T, B = 16, 2, 23, 3

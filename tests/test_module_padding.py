@@ -3,7 +3,7 @@ blocks or windows count positions (LLN+Diag, LAVO), left padding included."""
 import pytest
 import torch
 
-from fairseq_linattn.modules.attention import build_attention
+from fairseq_linattn.modules import build_attention
 
 E, H, N = 16, 2, 21
 HUGE = 1e4

@@ -5,7 +5,7 @@ import torch
 
 from conftest import padding_mask, rel_err
 from linattn.methods import METHODS
-from fairseq_linattn.modules.attention import build_attention
+from fairseq_linattn.modules import build_attention
 
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 CONFIG = dict(lln_chunk_size=4, lln_diag_block_size=5, lln_diag_mix="learnable_scale", lln_stats_per_head=True,

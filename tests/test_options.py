@@ -65,18 +65,19 @@ def test_layer_types_expands_one_type_and_keeps_a_list():
 
 
 def test_every_method_names_an_existing_module_class_with_its_roles():
-    from fairseq_linattn.modules import attention
+    from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
 
-    assert set(attention.ATTENTION_CLASSES) == set(METHODS)
+    assert set(ATTENTION_CLASSES) == set(METHODS)
     for name, method in METHODS.items():
-        cls = getattr(attention, method.module_class)
+        cls = ATTENTION_CLASSES[name]
+        assert cls.__name__ == method.module_class
         assert cls.method == name
         for role in ("encoder", "decoder"):
             if role in method.roles:
-                attention.build_attention(name, 8, 2, causal=role == "decoder")
+                build_attention(name, 8, 2, causal=role == "decoder")
             else:
                 with pytest.raises(ValueError, match=f"{role} attention type must be one of"):
-                    attention.build_attention(name, 8, 2, causal=role == "decoder")
+                    build_attention(name, 8, 2, causal=role == "decoder")
     assert methods_for("decoder") == ["softmax", "lln", "lln_diag", "lavo"]
 
 
@@ -93,7 +94,7 @@ def test_fairseq_dataclass_has_every_option_with_its_default_and_choices():
 
 
 def test_build_attention_validates_a_mapping_of_options():
-    from fairseq_linattn.modules.attention import build_attention
+    from fairseq_linattn.modules import build_attention
 
     with pytest.raises(ValueError, match="--lavo-window must be an integer >= 1"):
         build_attention("lavo", 8, 2, causal=True, config={"lavo_window": 0})

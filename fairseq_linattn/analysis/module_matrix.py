@@ -1,6 +1,6 @@
 """The row-stochastic attention matrix of one of our attention modules on its input, for analysis only.
 
-Given a module of ``fairseq_linattn.modules.attention`` and its (T, B, C) self-attention input, q and k
+Given an attention module of ``fairseq_linattn.modules`` and its (T, B, C) self-attention input, q and k
 are projected with the module's own ``q_proj`` / ``k_proj`` and the module's ``attention_rows`` gives
 the matrix P with out = P V where exact (V the ``v_proj`` output, before ``out_proj``): O(R N) memory
 for R query rows. What P is per method is the module's to say (its ``attention_rows`` docstring and
@@ -16,7 +16,7 @@ from linattn.ops import Rows
 
 def projected_qk(module, query: Tensor) -> Tuple[Tensor, Tensor]:
     """The module's q, k (B, H, N, D) for a (T, B, C) self-attention input."""
-    from ..modules.attention import ATTENTION_CLASSES, AttentionBase
+    from ..modules import ATTENTION_CLASSES, AttentionBase
 
     if not isinstance(module, AttentionBase):
         raise ValueError(f"module must be a fairseq_linattn attention module ({', '.join(ATTENTION_CLASSES)}), "

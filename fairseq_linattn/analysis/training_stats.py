@@ -28,7 +28,7 @@ RECORDER_NAME = "linattn_attention_stats"
 
 def self_attention_modules(model):
     """(name, module) of the plugin's self-attention modules in ``model`` (LAVO cross-attention excluded)."""
-    from ..modules.attention import AttentionBase
+    from ..modules import AttentionBase
 
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, AttentionBase) and not getattr(m, "cross", False)]

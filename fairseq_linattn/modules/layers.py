@@ -11,7 +11,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from linattn.methods import AttentionConfig, layer_types
-from .attention import build_attention
+from .build import build_attention
 
 
 def _wrap(layer, cfg):

@@ -47,7 +47,7 @@ def op_cases(heads: int, head_dim: int, seed: int = 0) -> Dict[str, Callable]:
 
     import torch
     from linattn.methods import METHODS
-    from fairseq_linattn.modules.attention import build_attention
+    from fairseq_linattn.modules import build_attention
 
     torch.manual_seed(seed)
     cases = {}

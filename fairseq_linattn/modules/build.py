@@ -1,0 +1,33 @@
+"""``ATTENTION_CLASSES`` (registry name -> module class, by ``METHODS[name].module_class``) and
+``build_attention``."""
+from typing import Mapping, Union
+
+from linattn.methods import METHODS, AttentionConfig, methods_for
+from .base import AttentionBase
+# every class a registry entry may name, looked up in this module's globals below
+from .kernelized import KernelizedAttention  # noqa: F401
+from .lavo import LAVOAttention  # noqa: F401
+from .lln import LLNAttention  # noqa: F401
+from .lln_diag import LLNDiagAttention  # noqa: F401
+from .skyformer import SkyformerAttention  # noqa: F401
+from .softmax import SoftmaxAttention  # noqa: F401
+
+ATTENTION_CLASSES = {name: globals()[method.module_class] for name, method in METHODS.items()}
+
+
+def build_attention(method: str, embed_dim: int, num_heads: int, *, causal: bool, dropout: float = 0.0,
+                    config: Union[None, AttentionConfig, Mapping] = None, cross: bool = False, **kw) -> AttentionBase:
+    """The module for ``method`` as self-attention (``causal`` or not) or ``cross``-attention.
+
+    ``config``: the plugin's options (an ``AttentionConfig``, or a mapping of option names to values for
+    the others' defaults, validated here); ``kw``: kdim, vdim, bias.
+    """
+    role = "cross" if cross else "decoder" if causal else "encoder"
+    if method not in METHODS or role not in METHODS[method].roles:
+        why = " (a non-causal method)" if role == "decoder" and method in METHODS else ""
+        raise ValueError(f"{role} attention type must be one of {', '.join(methods_for(role))}, got {method!r}{why}")
+    if not isinstance(config, AttentionConfig):
+        config = AttentionConfig(**(config or {}))
+        config.validate()
+    return ATTENTION_CLASSES[method](embed_dim, num_heads, causal=causal, cross=cross, dropout=dropout, config=config,
+                                     **kw)

@@ -1,0 +1,83 @@
+"""LLN attention's module (LLN eq. 8-9) with its moment matcher."""
+import torch
+
+from linattn import ops
+from linattn.ops import lln_decode_init, lln_decode_step
+from .base import AttentionBase
+from .moment_matcher import MomentMatcher
+
+
+class LLNAttention(AttentionBase):
+    """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (docs/design.md §3.1)."""
+
+    method = "lln"
+
+    def __init__(self, embed_dim, num_heads, **kw):
+        super().__init__(embed_dim, num_heads, **kw)
+        c = self.config
+        self.chunk_size = c.lln_chunk_size
+        self.matcher = MomentMatcher(
+            mode=c.moment_matching, head_dim=self.head_dim, num_heads=num_heads, per_head=c.lln_stats_per_head,
+            stats=("ema" if self.causal else "batch") if c.lln_stats == "auto" else c.lln_stats,
+            ema_momentum=c.lln_ema_momentum, max_scale=c.lln_max_scale, fixed_alpha=c.lln_alpha,
+            fixed_beta=c.lln_beta, constants_file=c.lln_constants_file)
+
+    def lln(self, q, k, v, key_padding_mask):
+        alpha, beta = self.matcher(q, k, key_padding_mask)
+        return ops.lln_attention(q, k, v, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
+                                 chunk_size=self.chunk_size)
+
+    def attend(self, q, k, v, key_padding_mask, attn_mask=None):
+        return self.lln(q, k, v, key_padding_mask)
+
+    def lln_step(self, q, k, v, key_padding_mask, state):
+        if "lln_s" not in state:
+            s, shift = lln_decode_init(q.shape[0], self.num_heads, self.head_dim, v.shape[-1],
+                                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                                       device=q.device)
+        else:
+            s, shift = state["lln_s"], state["lln_shift"]
+        alpha, beta = self.matcher.current(q)  # decoding uses the frozen (EMA) statistics
+        out, s, shift = lln_decode_step(q, k, v, alpha, beta, s, shift, key_padding_mask=key_padding_mask)
+        return out, {**state, "lln_s": s, "lln_shift": shift}
+
+    def step(self, q, k, v, key_padding_mask, state):
+        return self.lln_step(q, k, v, key_padding_mask, state)
+
+    @torch.no_grad()
+    def lln_parameters(self, q, k, key_padding_mask=None):
+        """alpha, beta (shape (G,), G = H per head or 1 per layer) that the next forward on q, k would use,
+        with sigma_q, sigma_k and tau (LLN eq. 11); float64.
+
+        The matcher runs in eval mode, so its EMA buffers are not updated (an EMA forward in training
+        also uses the buffers from before its batch, so the values are the same); the matcher's
+        ``last_*`` logging values are restored afterwards. Batch statistics are not all-reduced.
+        """
+        names = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
+        saved, was_training = {n: getattr(self.matcher, n) for n in names}, self.matcher.training
+        self.matcher.train(False)
+        try:
+            self.matcher(q, k, key_padding_mask)
+            return {n[len("last_"):]: getattr(self.matcher, n) for n in names}
+        finally:
+            self.matcher.train(was_training)
+            for n, value in saved.items():
+                setattr(self.matcher, n, value)
+
+    def _alpha_beta(self, q, k, key_padding_mask, lln):
+        """(alpha, beta) as (1, G, 1, 1) tensors from ``lln`` or, if None, ``lln_parameters``."""
+        lln = self.lln_parameters(q, k, key_padding_mask) if lln is None else lln
+        return (torch.as_tensor(lln[name]).reshape(1, -1, 1, 1) for name in ("alpha", "beta"))
+
+    def reference(self, q, k, v, key_padding_mask=None):
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)
+        return ops.lln_attention_reference(q, k, v, alpha.to(q), beta.to(q), causal=self.causal,
+                                           key_padding_mask=key_padding_mask)
+
+    @torch.no_grad()
+    def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
+        """The LLN matrix (B, H, R, N) (LLN eq. 8-9) with ``lln``, LLN's alpha, beta for this forward
+        (default: the module's, ``lln_parameters``). Exact: P V = output."""
+        alpha, beta = self._alpha_beta(q, k, key_padding_mask, lln)
+        return ops.lln_attention_weights(q, k, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
+                                         rows=rows)
