@@ -1,19 +1,18 @@
-"""The attention methods, each declared once: its module class, roles, options and FLOP count.
+"""The attention methods, each declared once: its module class, roles, options, FLOP count, benchmark call.
 
-Everything that lists methods or options derives from ``METHODS`` and ``OPTIONS``: fairseq's option
-dataclass and choices (``modules/options.py``), validation (``AttentionConfig.validate``), the
-modules' typed options (``AttentionConfig``), the recipe scripts' check
-(``python -m linattn.methods check``), the benchmarks and the README's options table
-(docs/design.md §9 says how to add a method). Pure Python: no torch, no fairseq.
+Everything that lists methods derives from ``METHODS``: the modules, validation (``AttentionConfig.validate``
+in linattn/config.py, which declares the options), the recipe scripts' check
+(``python -m linattn.methods check``), the benchmarks (with ``BENCHMARK_EXTRAS``) and the README's options
+table (docs/design.md §9 says how to add a method). Pure Python: no torch, no fairseq (the benchmark calls
+get the ops module as an argument).
 
     python -m linattn.methods check --role encoder|decoder|cross TYPES  # exit 2 on a bad type
     python -m linattn.methods list [--role ROLE]                        # one name per line
     python -m linattn.methods options-table                              # the README's table
 """
 import argparse
-import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROLES = ("encoder", "decoder", "cross")  # non-causal self-attention, causal self-attention, encoder-decoder
@@ -26,102 +25,54 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _positive_int(value) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"must be an integer >= 1, got {value!r}"
-    return None
-
-
-def _optional_positive_int(value) -> Optional[str]:
-    return None if value is None else _positive_int(value)
-
-
-def _optional_positive(value) -> Optional[str]:
-    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        return f"must be > 0, got {value!r}"
-    return None
-
-
-def _non_negative_int(value) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return f"must be an integer >= 0, got {value!r}"
-    return None
-
-
-def _unit_interval(value) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        return f"must be in [0, 1), got {value!r}"
-    return None
-
-
-@dataclass(frozen=True)
-class Option:
-    """One command-line option: ``flag(name)``, its default, help, allowed values and value check."""
-
-    name: str
-    default: Any
-    help: str
-    type: Any = None  # the value's Python type (default: type(default))
-    choices: Optional[Tuple[str, ...]] = None
-    check: Optional[Callable[[Any], Optional[str]]] = None  # value -> error text, None if valid
-
-
 @dataclass(frozen=True)
 class Method:
-    """An attention method: the module class that implements it, where it can be used, what it reads."""
+    """An attention method: the module class that implements it, where it can be used, what it reads, how the
+    benchmarks call its op."""
 
     name: str
     title: str  # for tables and plots
     module_class: str  # class name in fairseq_linattn.modules.attention
     roles: Tuple[str, ...]
-    options: Tuple[Option, ...] = ()  # the options this method reads (shared ones are in SHARED_OPTIONS)
+    options: Tuple[str, ...] = ()  # AttentionConfig fields this method reads (the shared ones: every model)
     flops: Callable[..., float] = None  # (n, d, causal, cfg) -> matmul FLOPs of one forward per (batch, head)
     relative_positions: bool = False  # positions come from the attention itself (token positions dropped)
     check: Optional[Callable[["AttentionConfig", Dict[str, List[str]]], None]] = None  # cross-option rules
     rows_note: str = ""  # what the module's ``attention_rows`` is, in a few words (the analysis reports it per layer)
     colour: str = "black"  # the analysis plots' colour for this method's layers
     rounding_gain: float = 1.0  # how much more than an exact op the output may round in half precision
+    # (ops, q, k, v, causal, x) -> output: the benchmarks' call of its op (``ops``: linattn.ops or an earlier
+    # copy of it); ``x``: alpha, beta, chunk_size, block_size, window, landmarks, lavo_bases, lavo_bias
+    benchmark_op: Optional[Callable[..., Any]] = None
+    benchmark_params: Tuple[str, ...] = ()  # keys of ``x`` the benchmarks also take the gradient for
+    quadratic: bool = False  # N x N time: an exact method (the op benchmark's FLOP-floor table lists the others)
+    dropout_keeps_matrix: bool = False  # with attention dropout it stores the N x N probabilities
+
+    @property
+    def causal(self) -> bool:
+        """Has a causal (decoder self-attention) form."""
+        return "decoder" in self.roles
 
 
-# -- the options ------------------------------------------------------------------------------
-LLN_OPTIONS = (
-    Option("lln_moment_matching", "paper", "how LLN sets alpha, beta (LLN §4.1): paper = published a, b; "
-           "fit = a, b from --lln-constants-file (written by `python -m linattn_tools.fit_moments`); "
-           "exact = interpolated variance table; off = fixed --lln-alpha/--lln-beta (implied by giving them)",
-           choices=("paper", "fit", "exact", "off")),
-    Option("lln_alpha", None, "fixed LLN alpha (with --lln-beta turns moment matching off; the LLN A.8.4 "
-           "ablation)", type=Optional[float], check=_optional_positive),
-    Option("lln_beta", None, "fixed LLN beta (see --lln-alpha)", type=Optional[float], check=_optional_positive),
-    Option("lln_constants_file", None, "JSON with the a, b constants for --lln-moment-matching fit",
-           type=Optional[str]),
-    Option("lln_stats", "auto", "statistics for moment matching: batch (current batch; encoder default), ema "
-           "(running average from earlier batches; decoder default, the only causal-safe choice), auto",
-           choices=("auto", "batch", "ema")),
-    Option("lln_stats_per_head", False, "moment matching per head, not per layer"),
-    Option("lln_ema_momentum", 0.99, "EMA momentum for --lln-stats ema", check=_unit_interval),
-    Option("lln_max_scale", 8.0, "upper clamp for alpha and beta", check=_optional_positive),
-    Option("lln_chunk_size", 64, "chunk size of causal LLN", check=_positive_int),
-)
-LLN_DIAG_OPTIONS = (
-    Option("lln_diag_block_size", 64, "block size of LLN+Diag's softmax blocks", check=_positive_int),
-    Option("lln_diag_mix", "average", "how LLN+Diag mixes its two parts: average (0.5/0.5), learnable_scale "
-           "(r·LLN + p·Diag, per head and channel, init 0.5), learnable_ratio (r·LLN + (1−r)·Diag)",
-           choices=("average", "learnable_scale", "learnable_ratio")),
-)
-SKYFORMER_OPTIONS = (
-    Option("skyformer_landmarks", 128, "Skyformer Nyström landmarks", check=_positive_int),
-    Option("skyformer_landmark_mode", "stratified", "stratified: half from Q, half from K rows; uniform: "
-           "over [Q; K]", choices=("stratified", "uniform")),
-    Option("skyformer_exact_inverse", False, "pseudo-inverse instead of the 6-step iteration (analysis, tests)"),
-)
-LAVO_OPTIONS = (
-    Option("lavo_window", 64, "LAVO local window w", check=_positive_int),
-    Option("lavo_bases", None, "LAVO orthogonal bases r (default: head dim; at most head dim)",
-           type=Optional[int], check=_optional_positive_int),
-    Option("lavo_freeze_bases", False, "keep LAVO's orthogonal bases fixed"),
-    Option("lavo_token_positions", False, "keep token position embeddings in an all-LAVO LM (LAVO §4.1 drops "
-           "them: relative bias only)"),
-)
+@dataclass(frozen=True)
+class BenchmarkOp:
+    """An op the benchmarks time beside the methods' without being a method (fields as in ``Method``)."""
+
+    name: str
+    title: str
+    flops: Callable[..., float]
+    benchmark_op: Callable[..., Any]
+    causal: bool = True
+    benchmark_params: Tuple[str, ...] = ()
+    quadratic: bool = False
+
+
+# -- the options each method reads (declared with their defaults and help in linattn/config.py) -----------
+LLN_OPTIONS = ("lln_moment_matching", "lln_alpha", "lln_beta", "lln_constants_file", "lln_stats",
+               "lln_stats_per_head", "lln_ema_momentum", "lln_max_scale", "lln_chunk_size")
+LLN_DIAG_OPTIONS = ("lln_diag_block_size", "lln_diag_mix")
+SKYFORMER_OPTIONS = ("skyformer_landmarks", "skyformer_landmark_mode", "skyformer_exact_inverse")
+LAVO_OPTIONS = ("lavo_window", "lavo_bases", "lavo_freeze_bases", "lavo_token_positions")
 
 
 # -- FLOPs: matmul FLOPs of one forward per (batch, head); a multiply-add is 2 FLOPs; exp, softmax and
@@ -167,28 +118,64 @@ def _check_lln(cfg: "AttentionConfig", layers: Dict[str, List[str]]) -> None:
                          "and other sequences; use --lln-stats ema (or auto) for decoders")
 
 
+# -- how the benchmarks call each op (linattn_tools/benchmark: attention, compare_ops) ------------------
+def _bench_lln(ops, q, k, v, causal, x):
+    return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"])
+
+
+def _bench_lln_diag(ops, q, k, v, causal, x):
+    return ops.lln_diag_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"],
+                                  block_size=x["block_size"])
+
+
+def _bench_skyformer(ops, q, k, v, causal, x):  # training-mode landmarks (redrawn per call); never causal
+    return ops.skyformer_attention(q, k, v, num_landmarks=x["landmarks"], training=True)
+
+
+def _bench_lavo(ops, q, k, v, causal, x):
+    return ops.lavo_attention(q, k, v, x["lavo_bases"], x["lavo_bias"], window=x["window"], causal=causal)
+
+
 METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("softmax", "softmax", "SoftmaxAttention", ("encoder", "decoder", "cross"),
            flops=lambda n, d, causal, cfg: (2 if causal else 4) * n * n * d,  # Q K^T and P V (causal: half)
-           rows_note="exact: P V is the output"),
+           rows_note="exact: P V is the output",
+           benchmark_op=lambda ops, q, k, v, causal, x: ops.softmax_attention(q, k, v, causal=causal),
+           quadratic=True, dropout_keeps_matrix=True),  # with dropout, CPU SDPA takes its N x N math path
     Method("lln", "LLN", "LLNAttention", ("encoder", "decoder"), LLN_OPTIONS, flops=_lln_flops, check=_check_lln,
-           rows_note="exact: P V is the output", colour="tab:blue"),
+           rows_note="exact: P V is the output", colour="tab:blue", benchmark_op=_bench_lln),
     Method("lln_diag", "LLN+Diag", "LLNDiagAttention", ("encoder", "decoder"), LLN_OPTIONS + LLN_DIAG_OPTIONS,
            flops=lambda n, d, causal, cfg: _lln_flops(n, d, causal, cfg) + block_softmax_flops(
                n, d, cfg.lln_diag_block_size), check=_check_lln,
-           rows_note="exact for mix 'average'; head-mean mix weights otherwise", colour="tab:purple"),
+           rows_note="exact for mix 'average'; head-mean mix weights otherwise", colour="tab:purple",
+           benchmark_op=_bench_lln_diag),
     Method("skyformer", "Skyformer", "SkyformerAttention", ("encoder",), SKYFORMER_OPTIONS, flops=_skyformer_flops,
            rows_note="Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1",
            colour="tab:brown",
-           rounding_gain=10.0),  # the Nyström (pseudo-)inverse amplifies half-precision rounding
+           rounding_gain=10.0,  # the Nyström (pseudo-)inverse amplifies half-precision rounding
+           benchmark_op=_bench_skyformer),
     Method("kernelized", "Kernelized", "KernelizedAttention", ("encoder",),
            flops=lambda n, d, causal, cfg: 4 * n * n * d,  # the full Gaussian kernel and C V
-           rows_note="kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)", colour="tab:red"),
+           rows_note="kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)", colour="tab:red",
+           benchmark_op=lambda ops, q, k, v, causal, x: ops.kernelized_attention(q, k, v), quadratic=True),
     Method("lavo", "LAVO", "LAVOAttention", ("encoder", "decoder", "cross"), LAVO_OPTIONS, flops=_lavo_flops,
            relative_positions=True,
            rows_note="token mixing 0.5 (local + memory mean); values also pass a per-query channel projection",
-           colour="tab:olive"),
+           colour="tab:olive", benchmark_op=_bench_lavo, benchmark_params=("lavo_bases", "lavo_bias")),
 )}
+
+# ops the benchmarks time beside the methods': block softmax is LLN+Diag's Diag part on its own
+BENCHMARK_EXTRAS: Dict[str, BenchmarkOp] = {b.name: b for b in (
+    BenchmarkOp("block_softmax", "block softmax",
+                flops=lambda n, d, causal, cfg: block_softmax_flops(n, d, cfg.lln_diag_block_size),
+                benchmark_op=lambda ops, q, k, v, causal, x: ops.block_softmax_attention(
+                    q, k, v, block_size=x["block_size"], causal=causal)),
+)}
+
+
+def benchmarked() -> Dict[str, Any]:
+    """Every op the benchmarks time, by name: the methods (``Method``), then ``BENCHMARK_EXTRAS``."""
+    return {**METHODS, **BENCHMARK_EXTRAS}
 
 
 def methods_for(role: str) -> List[str]:
@@ -196,40 +183,6 @@ def methods_for(role: str) -> List[str]:
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     return [name for name, m in METHODS.items() if role in m.roles]
-
-
-def _types_help(role: str) -> str:
-    others = [n for n in METHODS if n not in methods_for(role)]
-    text = (f"one of {{{', '.join(methods_for(role))}}}, or a comma-separated list with one type per layer "
-            "(e.g. softmax,lln,lln)")
-    return text + (f"; {', '.join(others)} cannot be causal" if others else "")
-
-
-SHARED_OPTIONS = (
-    Option("encoder_attention_type", "softmax", "encoder self-attention: " + _types_help("encoder")),
-    Option("decoder_attention_type", "softmax", "decoder (causal) self-attention: " + _types_help("decoder")),
-    Option("cross_attention_type", "softmax", "encoder-decoder attention of linattn_transformer (LAVO §3.4 for "
-           "lavo)",
-           choices=tuple(methods_for("cross"))),
-    Option("attention_stats_interval", 0, "log attention entropy / spectral gap every K updates (0 = off)",
-           check=_non_negative_int),
-)
-
-
-def _all_options() -> Dict[str, Option]:
-    options = {o.name: o for o in SHARED_OPTIONS}
-    for method in METHODS.values():
-        for o in method.options:
-            if options.setdefault(o.name, o) is not o:
-                raise AssertionError(f"option {o.name} is declared twice with different values")
-    return options
-
-
-OPTIONS: Dict[str, Option] = _all_options()
-
-
-def option_type(o: Option):
-    return o.type if o.type is not None else type(o.default)
 
 
 def layer_types(spec: str, num_layers: int, role: str) -> List[str]:
@@ -254,71 +207,19 @@ def layer_types(spec: str, num_layers: int, role: str) -> List[str]:
     return types
 
 
-class _ConfigMethods:
-    """What AttentionConfig adds to its generated fields."""
-
-    @classmethod
-    def from_args(cls, args) -> "AttentionConfig":
-        """The plugin's options of an argparse Namespace, DictConfig or TransformerConfig; a missing or None
-        value takes its default. Reads ``args`` only."""
-        values = {}
-        for name, o in OPTIONS.items():
-            value = getattr(args, name, None)
-            if value is not None and o.choices is not None:
-                value = str(value)  # fairseq's ChoiceEnum members are str-like enums
-            values[name] = o.default if value is None else value
-        return cls(**values)
-
-    @property
-    def moment_matching(self) -> str:
-        """LLN's effective mode: fixed --lln-alpha/--lln-beta imply 'off'."""
-        return "off" if self.lln_alpha is not None else self.lln_moment_matching
-
-    def validate(self, *, encoder_layers: Optional[int] = None, decoder_layers: Optional[int] = None) -> None:
-        """Check every value and the rules between them; ValueError names the option and the allowed values.
-
-        ``encoder_layers`` / ``decoder_layers``: the model's layer counts, to check per-layer type lists.
-        """
-        for name, o in OPTIONS.items():
-            value = getattr(self, name)
-            if o.choices is not None and value not in o.choices:
-                raise ValueError(f"{flag(name)}: allowed: {', '.join(o.choices)}; got {value!r}")
-            error = o.check(value) if o.check is not None else None
-            if error:
-                raise ValueError(f"{flag(name)} {error}")
-        layers = {}
-        if encoder_layers is not None:
-            layers["encoder"] = layer_types(self.encoder_attention_type, encoder_layers, "encoder")
-        if decoder_layers is not None:
-            layers["decoder"] = layer_types(self.decoder_attention_type, decoder_layers, "decoder")
-        layers["cross"] = layer_types(self.cross_attention_type, 1, "cross")
-        for method in METHODS.values():
-            if method.check is not None:
-                method.check(self, layers)
-
-
-AttentionConfig = dataclasses.make_dataclass(
-    "AttentionConfig",
-    [(name, option_type(o), field(default=o.default, metadata={"help": o.help})) for name, o in OPTIONS.items()],
-    bases=(_ConfigMethods,), frozen=True)
-AttentionConfig.__module__ = __name__
-AttentionConfig.__doc__ = ("The plugin's options as one typed, immutable object (fields: ``OPTIONS``). Modules "
-                           "read it; ``validate`` checks it.")
-
-
-def options_table() -> str:
-    """The README's options table (Markdown), one row per option; a test keeps the README in step."""
-    rows = ["| option | default | read by | meaning |", "|---|---|---|---|"]
-    for name, o in OPTIONS.items():
-        readers = ", ".join(m.name for m in METHODS.values() if o in m.options) or "every model"
-        rows.append(f"| `{flag(name)}` | `{o.default}` | {readers} | {o.help} |")
-    return "\n".join(rows)
+def __getattr__(name: str):
+    """``AttentionConfig`` (linattn/config.py, which imports this module) is importable from here too."""
+    if name == "AttentionConfig":
+        from linattn.config import AttentionConfig
+        return AttentionConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m linattn.methods", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="exit 2 with a message unless TYPES is a valid attention type (or comma list) for ROLE")
+    check = sub.add_parser("check", help="exit 2 with a message unless TYPES is a valid attention type "
+                           "(or comma list) for ROLE")
     check.add_argument("--role", choices=ROLES, required=True)
     check.add_argument("types", help="a method name, or a comma list with one type per layer")
     listing = sub.add_parser("list", help="the methods, one per line")
@@ -335,6 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.command == "list":
         print("\n".join(methods_for(args.role) if args.role else METHODS))
     else:
+        from linattn.config import options_table
         print(options_table())
     return 0
 

@@ -21,10 +21,19 @@ def imports(package: str):
 def test_importing_linattn_imports_no_fairseq_and_patches_nothing():
     proc = python("import sys, torch\n"
                   "load = torch.load\n"
-                  "import linattn.ops, linattn.methods, linattn.analysis\n"
+                  "import linattn.ops, linattn.methods, linattn.config, linattn.analysis\n"
                   "assert 'fairseq' not in sys.modules, 'fairseq imported'\n"
                   "assert torch.load is load\n"
                   "assert not [m for m in sys.modules if m.startswith(('fairseq_linattn', 'linattn_tools'))]\n")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_registry_and_the_options_import_neither_torch_nor_fairseq():
+    proc = python("import sys\n"
+                  "import linattn.methods, linattn.config\n"
+                  "from linattn.methods import AttentionConfig, benchmarked\n"
+                  "assert AttentionConfig is linattn.config.AttentionConfig and 'block_softmax' in benchmarked()\n"
+                  "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'fairseq', 'numpy')]\n")
     assert proc.returncode == 0, proc.stderr
 
 

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from linattn.methods import METHODS, OPTIONS, AttentionConfig, layer_types, methods_for, options_table
+from linattn.config import AttentionConfig, options_table
+from linattn.methods import METHODS, layer_types, methods_for
 
 ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = {f.name: f for f in fields(AttentionConfig)}
 
 
 def options(**kw):
-    return Namespace(**{**{name: o.default for name, o in OPTIONS.items()}, **kw})
+    return Namespace(**{**{name: f.default for name, f in OPTIONS.items()}, **kw})
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -82,15 +84,15 @@ def test_every_method_names_an_existing_module_class_with_its_roles():
 
 
 def test_fairseq_dataclass_has_every_option_with_its_default_and_choices():
-    from fairseq_linattn.modules.options import AttentionOptions
+    from fairseq_linattn.options import AttentionOptions
 
     ours = {f.name: f for f in fields(AttentionOptions) if not f.name.startswith("_")}
     assert set(ours) == set(OPTIONS)
-    for name, o in OPTIONS.items():
-        assert ours[name].default == o.default, name
-        assert ours[name].metadata["help"] == o.help
-        if o.choices:
-            assert {str(c) for c in ours[name].type} == set(o.choices), name
+    for name, f in OPTIONS.items():
+        assert ours[name].default == f.default, name
+        assert ours[name].metadata["help"] == f.metadata["help"]
+        if f.metadata["choices"]:
+            assert {str(c) for c in ours[name].type} == set(f.metadata["choices"]), name
 
 
 def test_build_attention_validates_a_mapping_of_options():
@@ -115,3 +117,12 @@ def test_methods_cli_checks_a_type_for_a_role():
     bad = run("check", "--role", "decoder", "softmax,skyformer")
     assert bad.returncode == 2 and "--decoder-attention-type" in bad.stderr and "allowed: softmax, lln" in bad.stderr
     assert run("list", "--role", "cross").stdout.split() == methods_for("cross")
+
+
+def test_linattn_lm_s_own_architecture_validates_when_its_model_is_built():
+    # --arch linattn_lm has no plugin architecture function: build_model is where its options are checked
+    from fairseq_linattn.models.linattn_lm import LinAttnLanguageModel
+
+    args = options(arch="linattn_lm", decoder_layers=2, decoder_attention_type="skyformer")
+    with pytest.raises(ValueError, match="non-causal"):
+        LinAttnLanguageModel.build_model(args, task=None)

@@ -5,9 +5,10 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
                                            base_lm_architecture, transformer_lm_gpt, transformer_lm_gpt2_small)
 
+from linattn.config import AttentionConfig
 from linattn.methods import METHODS, layer_types
 from ..modules.layers import LinAttnTransformerDecoder
-from ..modules.options import AttentionOptions, check_attention_options
+from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build
 
 
@@ -27,9 +28,11 @@ class LinAttnLanguageModel(TransformerLanguageModel):
     def build_model(cls, args, task):
         """fairseq builds the embeddings (adaptive, character, tied ...); we swap in our decoder.
 
-        (``--arch linattn_lm`` is the dataclass's own no-op architecture, so options are also checked here.)
+        Validates the options only for ``--arch linattn_lm``, the dataclass's own architecture: no plugin function
+        checked them (fairseq_linattn/options.py); the other architectures' functions did.
         """
-        config = _validate(args)
+        checked = getattr(args, "arch", None) in ARCHITECTURES
+        config = AttentionConfig.from_args(args) if checked else _validate(args)
         if _relative_positions_only(config, args.decoder_layers) and not config.lavo_token_positions:
             args.no_token_positional_embeddings = True  # LAVO §4.1: relative bias only
         layers, args.decoder_layers = args.decoder_layers, 0  # the stock decoder only lends its embeddings
@@ -46,6 +49,9 @@ class LinAttnLanguageModel(TransformerLanguageModel):
 
 def _validate(args):
     return check_attention_options(args, decoder_layers=args.decoder_layers)
+
+
+ARCHITECTURES = ("linattn_lm_gpt", "linattn_lm_gpt2_small", "linattn_lm_tiny")  # each validates (below)
 
 
 @register_model_architecture("linattn_lm", "linattn_lm_gpt")

@@ -5,8 +5,9 @@ from fairseq.models.roberta.model import (RobertaEncoder, RobertaModel, base_arc
                                           roberta_base_architecture, roberta_large_architecture)
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
+from linattn.config import AttentionConfig
 from ..modules.layers import LinAttnTransformerEncoder
-from ..modules.options import AttentionOptions, check_attention_options
+from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build
 
 
@@ -26,9 +27,10 @@ class LinAttnRobertaModel(RobertaModel):
 
     @classmethod
     def build_model(cls, args, task):
-        """As RobertaModel.build_model, with the plugin's encoder."""
+        """As RobertaModel.build_model, with the plugin's encoder (options validated by the architecture
+        function: fairseq_linattn/options.py)."""
         base_architecture(args)
-        config = _validate(args)
+        config = AttentionConfig.from_args(args)
         if not hasattr(args, "max_positions"):
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
         model = cls(args, LinAttnRobertaEncoder(args, task.source_dictionary))

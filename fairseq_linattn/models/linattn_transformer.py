@@ -5,9 +5,9 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer.transformer_legacy import base_architecture, tiny_architecture
 
-from linattn.methods import AttentionConfig
+from linattn.config import AttentionConfig
 from ..modules.layers import LinAttnTransformerDecoder, LinAttnTransformerEncoder
-from ..modules.options import AttentionOptions, check_attention_options
+from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build
 
 
@@ -20,6 +20,7 @@ class LinAttnTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        """Options validated by the architecture function (fairseq_linattn/options.py)."""
         model = super().build_model(args, task)
         after_build(model, AttentionConfig.from_args(args))
         return model

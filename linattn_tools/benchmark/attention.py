@@ -23,15 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
-from linattn.methods import METHODS as REGISTRY, methods_for
+from linattn.methods import benchmarked
 
-# the registry's methods with an op of their own, and block softmax (LLN+Diag's Diag part) beside them
-METHODS = tuple(m for m in REGISTRY) + ("block_softmax",)
-CAUSAL = set(methods_for("decoder")) | {"block_softmax"}
-QUADRATIC = ("softmax", "kernelized")  # the exact N×N methods: every other one is plotted as linear
-LINEAR = tuple(m for m in METHODS if m not in QUADRATIC)
+# the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn.methods.BENCHMARK_EXTRAS)
+OPS = benchmarked()
+METHODS = tuple(OPS)
+CAUSAL = {name for name, op in OPS.items() if op.causal}
+LINEAR = tuple(name for name, op in OPS.items() if not op.quadratic)  # linear time: the FLOP-floor table
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
-# issue 15: peak memory above the inputs against SDPA's (same N, same causality)
+# the allocation-light targets: peak memory above the inputs against SDPA's (same N, same causality)
 MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
                   "lavo causal": 1.25, "skyformer": 1.5}
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
@@ -86,26 +86,15 @@ def make_inputs(n: int, args, device, dtype) -> dict:
 
 
 def forward(method: str, causal: bool, x: dict, args):
-    """The op's output and the tensors its gradient is taken for."""
-    q, k, v = x["qkv"]
-    if method == "softmax":
-        return ops.softmax_attention(q, k, v, causal=causal), x["qkv"]
-    if method == "lln":
-        return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=args.chunk_size), x["qkv"]
-    if method == "lln_diag":
-        return ops.lln_diag_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=args.chunk_size,
-                                      block_size=args.block_size), x["qkv"]
-    if method == "block_softmax":
-        return ops.block_softmax_attention(q, k, v, block_size=args.block_size, causal=causal), x["qkv"]
-    if method == "lavo":
-        bases, pos_bias = x["lavo"]
-        out = ops.lavo_attention(q, k, v, bases, pos_bias, window=args.lavo_window, causal=causal)
-        return out, x["qkv"] + x["lavo"]
-    if method == "skyformer":  # training-mode landmarks (redrawn per call)
-        return ops.skyformer_attention(q, k, v, num_landmarks=args.landmarks, training=True), x["qkv"]
-    if method == "kernelized":
-        return ops.kernelized_attention(q, k, v), x["qkv"]
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    """The op's output and the tensors its gradient is taken for (the registry's ``benchmark_op``)."""
+    if method not in OPS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    op = OPS[method]
+    settings = {"alpha": x["alpha"], "beta": x["beta"], "chunk_size": args.chunk_size, "block_size": args.block_size,
+                "window": args.lavo_window, "landmarks": args.landmarks, "lavo_bases": x["lavo"][0],
+                "lavo_bias": x["lavo"][1]}
+    out = op.benchmark_op(ops, *x["qkv"], causal, settings)
+    return out, x["qkv"] + [settings[p] for p in op.benchmark_params]
 
 
 def case(method: str, causal: bool, args):
@@ -119,6 +108,12 @@ def case(method: str, causal: bool, args):
 
 def series_name(method: str, causal: bool) -> str:
     return f"{method} causal" if causal else method
+
+
+def title(name: str) -> str:
+    """A series' name for plots: 'lln_diag causal' -> 'LLN+Diag causal' (the registry's titles)."""
+    method, _, rest = name.partition(" ")
+    return " ".join([OPS[method].title if method in OPS else method] + ([rest] if rest else []))
 
 
 def series_list(args):
@@ -219,8 +214,10 @@ def targets(res: dict) -> list:
     for name, limit in MEMORY_TARGETS.items():
         base = "softmax causal" if name.endswith("causal") else "softmax"
         pairs = [(_row(res, name, n), _row(res, base, n)) for n in big]
-        worst = [a["peak_bytes"] / b["peak_bytes"] for a, b in pairs if a and b and a.get("peak_bytes") and b.get("peak_bytes")]
-        add(f"{name}: peak memory ≤ {limit}× SDPA's at N={big[0] if big else 4096}–{big[-1] if big else 32768} (worst N)",
+        worst = [a["peak_bytes"] / b["peak_bytes"] for a, b in pairs
+                 if a and b and a.get("peak_bytes") and b.get("peak_bytes")]
+        span = f"{big[0] if big else 4096}–{big[-1] if big else 32768}"
+        add(f"{name}: peak memory ≤ {limit}× SDPA's at N={span} (worst N)",
             max(worst) if worst else None, lambda x, limit=limit: x <= limit, "{:.2f}×")
     for name in MEMORY_TARGETS:
         rows = [_row(res, name, n) for n in (16384, 32768)]
@@ -280,7 +277,8 @@ def render(res: dict, image: str) -> str:
 
 def plot(res: dict, path: Path) -> None:
     c = res["config"]
-    report.plot_loglog(res["points"], path, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
+    titled = {title(name): rows for name, rows in res["points"].items()}
+    report.plot_loglog(titled, path, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
                        f"D={c['head_dim']}, {c['dtype']}")
 
 

@@ -26,7 +26,8 @@ def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json:
     p.add_argument("--docs", type=Path, default=None, help=f"rewrite the {section} section of this markdown")
     p.add_argument("--from-json", type=Path, default=None, help="render an earlier run, measure nothing")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    p.add_argument("--section", default=None, help=f"name of the --docs section to rewrite (default: the {section} results)")
+    p.add_argument("--section", default=None,
+                   help=f"name of the --docs section to rewrite (default: the {section} results)")
 
 
 def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, default_plot: Path) -> argparse.Namespace:

@@ -10,8 +10,8 @@ earlier ops come from ``git archive <commit> linattn/ops`` (no fairseq import, s
 Prints a table, writes JSON, and with --docs rewrites a section of docs/benchmarks.md. With ``--malloc keep``
 (the default) the script restarts with glibc keeping freed memory, as ``benchmark_attention.py`` does.
 
-    python linattn_tools/benchmark/compare_ops.py --baseline 99cd0d5 --sizes 16384 32768 --json docs/benchmarks/ops_vs_99cd0d5.json \
-        --docs docs/benchmarks.md --section "ops against 99cd0d5"
+    python linattn_tools/benchmark/compare_ops.py --baseline 99cd0d5 --sizes 16384 32768 \
+        --json docs/benchmarks/ops_vs_99cd0d5.json --docs docs/benchmarks.md --section "ops against 99cd0d5"
 """
 import argparse
 import importlib.util
@@ -30,10 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
+from linattn.methods import METHODS
 from linattn_tools.benchmark import cli, measure, report
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
-TOLERANCE = 0.05  # issue 15: no op slower than before with --malloc keep (±5 %)
+TOLERANCE = 0.05  # the allocation-light target: no op slower than before with --malloc keep (±5 %)
 
 
 def load_ops(commit: str, into: Path):
@@ -68,19 +69,15 @@ def inputs(n: int, b: int = 1, h: int = 12, d: int = 64):
 
 
 def call(mod, case: str, x) -> None:
-    """One forward + gradient w.r.t. every input of ``case`` with the ops module ``mod``."""
+    """One forward + gradient w.r.t. every input of ``case`` with the ops module ``mod`` (the registry's
+    ``benchmark_op``; chunk and blocks 64, LAVO w = 64, Skyformer 128 landmarks)."""
     (q, k, v), grad, alpha, beta, (bases, bias) = x
     name, causal = case.split(" ")[0], case.endswith("causal")
-    wrt = [q, k, v]
-    if name == "lln":
-        out = mod.lln_attention(q, k, v, alpha, beta, causal=causal)
-    elif name == "lln_diag":
-        out = mod.lln_diag_attention(q, k, v, alpha, beta, causal=causal)
-    elif name == "lavo":
-        out, wrt = mod.lavo_attention(q, k, v, bases, bias, window=64, causal=causal), wrt + [bases, bias]
-    else:
-        out = mod.skyformer_attention(q, k, v, num_landmarks=128, training=True)
-    torch.autograd.grad(out, wrt, grad)
+    op = METHODS[name]
+    settings = {"alpha": alpha, "beta": beta, "chunk_size": 64, "block_size": 64, "window": 64, "landmarks": 128,
+                "lavo_bases": bases, "lavo_bias": bias}
+    out = op.benchmark_op(mod, q, k, v, causal, settings)
+    torch.autograd.grad(out, [q, k, v] + [settings[p] for p in op.benchmark_params], grad)
 
 
 def compare(before, after, sizes, cases, repeats: int) -> list:
@@ -161,7 +158,7 @@ def render(res: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", default="99cd0d5", help="git commit whose ops are the 'before' (default 99cd0d5, "
-                   "the ops before the allocation-light work of issue 15)")
+                   "the ops before the allocation-light work)")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--cases", nargs="+", default=CASES, choices=CASES, metavar="CASE",
                    help=f"ops to compare (default all: {', '.join(CASES)})")
@@ -170,7 +167,8 @@ def main(argv=None) -> None:
                    help="compare each (N, op) in this many fresh processes and report the median (default 1: "
                         "every point in this process)")
     p.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                   help="keep: restart with glibc keeping freed memory (the issue-15 target); default: glibc's own")
+                   help="keep: restart with glibc keeping freed memory (the allocation-light target); "
+                        "default: glibc's own")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--docs", type=Path, default=None, help="rewrite --section of this markdown")
     p.add_argument("--section", default="ops against the baseline")

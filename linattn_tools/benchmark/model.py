@@ -40,12 +40,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn_tools.benchmark import cli, fairseq_models, fit, measure, report, sweep
-from linattn.methods import methods_for
+from linattn.methods import METHODS, methods_for
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
 ENCODER_METHODS, DECODER_METHODS, CROSS_METHODS = (methods_for(role) for role in ("encoder", "decoder", "cross"))
 PARTS = ("train", "decode", "cross")
+CONSTANT_STATE_TARGETS = ("lln", "lavo")  # decoders with a per-token latency target (state of fixed size)
 QUICK = dict(train_sizes=[32], decode_contexts=[16, 32], train_arch="linattn_roberta_tiny",
              decode_arch="linattn_lm_tiny", cross_sources=[16, 64],
              cross_arch="linattn_transformer_tiny", vocab=100, train_repeats=1, decode_repeats=2, min_repeats=1,
@@ -101,7 +102,8 @@ def train_case(method: str, data: Path, args, device):
             "--attention-dropout", str(args.attention_dropout), "--optimizer", "adam", "--lr", "1e-4",
             "--seed", "1", *_device_args(device), *args.model_args])
         model, criterion, optimizer = built["model"].to(device), built["criterion"], built["optimizer"]
-        sample = fairseq_models.masked_lm_sample(built["task"], n, args.batch, generator=torch.Generator().manual_seed(n))
+        sample = fairseq_models.masked_lm_sample(built["task"], n, args.batch,
+                                                 generator=torch.Generator().manual_seed(n))
         sample = _to(sample, device)
 
         def call():
@@ -120,7 +122,7 @@ def _to(sample, device):
 def fill_state(attn, state: dict, context: int) -> None:
     """Make a decoder layer's incremental state look as after ``context`` tokens (see the module doc)."""
     buf = attn._get_input_buffer(state)
-    if attn.method == "softmax":
+    if "prev_key" in buf:  # a key/value cache (softmax): ``context`` random keys and values
         b, h, _, d = buf["prev_key"].shape
         kv = dict(dtype=buf["prev_key"].dtype, device=buf["prev_key"].device)
         buf["prev_key"], buf["prev_value"] = torch.randn(b, h, context, d, **kv), torch.randn(b, h, context, d, **kv)
@@ -278,7 +280,7 @@ def targets(res: dict) -> list:
     if "decode" in res:
         d = res["decode"]
         lo, hi = min(res["config"]["decode_contexts"]), max(res["config"]["decode_contexts"])
-        for m in ("lln", "lavo"):
+        for m in CONSTANT_STATE_TARGETS:
             a, b = _row(d, m, lo), _row(d, m, hi)
             add(f"{m} decoding: per-token latency at context {hi} ≤ 1.2× that at {lo}",
                 None if not (a and b) else b["median_s"] / a["median_s"], lambda x: x <= 1.2, "{:.2f}×")
@@ -314,7 +316,7 @@ def longest_update_table(res: dict) -> str:
             continue
         totals = [r["peak_bytes"] + r["state_bytes"] for r in ok]
         f = fit.longest_n([r["n"] for r in ok], totals, budget,
-                          quadratic=method == "softmax" and c["attention_dropout"] > 0)
+                          quadratic=METHODS[method].dropout_keeps_matrix and c["attention_dropout"] > 0)
         longest = f"{f['n_max']:,.0f}" if f["grid_max"] else "n/a (memory does not grow with N)"
         lines.append(f"| {method} | {totals[-1] / 2 ** 30:.2f} GiB at {ok[-1]['n']} | {longest} "
                      f"| {f['grid_max'] or ''} |")
@@ -364,12 +366,10 @@ def render(res: dict, image: str) -> str:
 
 def plot(res: dict, path: Path) -> None:
     series = {}
-    if "train" in res:
-        series.update({f"train {m}": rows for m, rows in res["train"]["points"].items()})
-    if "decode" in res:
-        series.update({f"decode {m}": rows for m, rows in res["decode"]["points"].items()})
-    if "cross" in res:
-        series.update({f"cross-attention {m}": rows for m, rows in res["cross"]["points"].items()})
+    for part, label in (("train", "train"), ("decode", "decode"), ("cross", "cross-attention")):
+        if part in res:
+            series.update({f"{label} {METHODS[m].title if m in METHODS else m}": rows
+                           for m, rows in res[part]["points"].items()})
     report.plot_loglog(series, path, "linattn_roberta_base update and linattn_lm_gpt decoding",
                        panels=(("median_s", "seconds per update / per token", 1.0),))
 

@@ -10,6 +10,8 @@ holds a measured number: every "ours" and every "holds" is computed from the rec
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from linattn.methods import METHODS
+
 from ..benchmark.fit import longest_n
 from ..recipes import paper_results as pr
 
@@ -205,7 +207,7 @@ def memory_fit(rec: Dict, method: str, dropout: Optional[float]) -> Dict:
     """Fit total update memory against N: quadratic through every point when the attention stores N x N
     probabilities (softmax with dropout), else linear through the two longest measured N."""
     pts = _cost_points(rec, method, dropout)
-    quadratic = method == "softmax" and dropout
+    quadratic = method in METHODS and METHODS[method].dropout_keeps_matrix and dropout
     fit = longest_n([p["n"] for p in pts], [p["total_bytes"] for p in pts], MEMORY_BUDGET, bool(quadratic))
     used = [p for p in pts if p["n"] in fit["used"]]
     return {**fit, "measured": [p["n"] for p in pts], "largest": pts[-1],
