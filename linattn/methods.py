@@ -207,14 +207,6 @@ def layer_types(spec: str, num_layers: int, role: str) -> List[str]:
     return types
 
 
-def __getattr__(name: str):
-    """``AttentionConfig`` (linattn/config.py, which imports this module) is importable from here too."""
-    if name == "AttentionConfig":
-        from linattn.config import AttentionConfig
-        return AttentionConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m linattn.methods", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -2,4 +2,4 @@
 from .base import AttentionBase  # noqa: F401
 from .build import ATTENTION_CLASSES, build_attention  # noqa: F401
 from .moment_matcher import MomentMatcher  # noqa: F401
-from ..options import AttentionOptions, check_attention_options  # noqa: F401
+

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from fairseq.incremental_decoding_utils import with_incremental_state
 
-from linattn.methods import METHODS, AttentionConfig, methods_for
+from linattn.config import AttentionConfig
+from linattn.methods import METHODS, methods_for
 
 State = Dict[str, Optional[Tensor]]
 logger = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 ``build_attention``."""
 from typing import Mapping, Union
 
-from linattn.methods import METHODS, AttentionConfig, methods_for
+from linattn.config import AttentionConfig
+from linattn.methods import METHODS, methods_for
 from .base import AttentionBase
 # every class a registry entry may name, looked up in this module's globals below
 from .kernelized import KernelizedAttention  # noqa: F401

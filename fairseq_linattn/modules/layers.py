@@ -10,7 +10,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder, Tr
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from linattn.methods import AttentionConfig, layer_types
+from linattn.config import AttentionConfig
+from linattn.methods import layer_types
 from .build import build_attention
 
 
