@@ -26,8 +26,8 @@ its last two points predict more than 16 GiB); decode at L = 1K ... 16K (20 toke
 4K, 16K. They run with glibc's default allocator, as a user's ``fairseq-train`` on a CPU does
 (``--malloc keep``: freed memory kept, as a GPU's caching allocator does).
 
-    python linattn_tools/benchmark/model.py --docs docs/benchmarks.md
-    python linattn_tools/benchmark/model.py --quick --json /tmp/model.json
+    python -m linattn_tools.benchmark.model --docs docs/benchmarks.md
+    python -m linattn_tools.benchmark.model --quick --json /tmp/model.json
 """
 import argparse
 import json
@@ -101,7 +101,8 @@ def train_case(method: str, data: Path, args, device):
             "--attention-dropout", str(args.attention_dropout), "--optimizer", "adam", "--lr", "1e-4",
             "--seed", "1", *_device_args(device), *args.model_args])
         model, criterion, optimizer = built["model"].to(device), built["criterion"], built["optimizer"]
-        sample = fairseq_models.masked_lm_sample(built["task"], n, args.batch, generator=torch.Generator().manual_seed(n))
+        sample = fairseq_models.masked_lm_sample(built["task"], n, args.batch,
+                                                 generator=torch.Generator().manual_seed(n))
         sample = _to(sample, device)
 
         def call():
