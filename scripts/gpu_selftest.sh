@@ -16,12 +16,12 @@ About 5 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose it); the .venv mu
   2. train: 50 --fp16 updates of each sample recipe on the GPU (pretrain_wikitext103.sh for every
      encoder type, train_pg19.sh for every causal one: python -m linattn.methods list),
      judged from TensorBoard: finite loss, loss_scale never below --min-loss-scale (~3 min);
-  3. bench: linattn_tools/benchmark/attention.py --device cuda --sizes 4096 (CUDA-event timing, ~1 min);
+  3. bench: python -m linattn_tools.benchmark.attention --device cuda --sizes 4096 (CUDA events, ~1 min);
   4. one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".
 Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once). Logs, TensorBoard and
 the benchmark JSON go to --work [runs/gpu_selftest].
 USAGE
     exit 0;;
 esac
-# run as a file: the CUDA check comes before fairseq (imported with the package) is loaded
+# the CUDA check comes before fairseq is loaded (linattn_tools.recipes imports no fairseq)
 exec "$PY" -m linattn_tools.recipes.gpu_selftest "$@"

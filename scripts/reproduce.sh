@@ -5,15 +5,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 cd "$ROOT"
 
-expected() {  # the wall time of each group's committed run (python -m linattn_tools.reproduce expected-time)
-  python3 - "$ROOT/docs/reproduction" <<'PYTHON'
-import json, pathlib, sys
-runs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))]
-runs = {r["group"]: r["wall_s"] for r in runs if isinstance(r, dict) and "wall_s" in r}
-parts = ", ".join(f"{g} {s / 60:.0f} min" for g, s in runs.items())
-print(f"expected wall time about {sum(runs.values()) / 60:.0f} min on 2 CPU cores ({parts}), as the committed "
-      "run took" if runs else "expected wall time about 40 min on 2 CPU cores")
-PYTHON
+expected() {  # the wall time of each group's committed run
+  "$PY" -m linattn_tools.reproduce expected-time 2>/dev/null \
+    || echo "expected wall time: run scripts/setup_env.sh, then $PY -m linattn_tools.reproduce expected-time"
 }
 
 usage() {
@@ -25,9 +19,10 @@ Measures every claim group of docs/reproduction.md, writes docs/reproduction/GRO
 regenerates docs/reproduction.md from the JSON. Full run: $(expected).
 Groups:
   lln_distribution  LLN Prop. 3.1, Fig. 5b, Fig. 2: var ln P, entropy, spectral gap on Gaussian q, k
-  lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs linattn_tools/benchmark/model.py
-                    for softmax with attention dropout 0.1, LLN and LLN+Diag at N = 512-1280; the other points
-                    from docs/benchmarks/*.json; --reuse-benchmark re-reads that run instead of measuring)
+  lln_cost          LLN Table 2: RoBERTa-base update time and memory against N (runs
+                    python -m linattn_tools.benchmark.model for softmax with attention dropout 0.1, LLN and
+                    LLN+Diag at N = 512-1280; the other points from docs/benchmarks/*.json; --reuse-benchmark
+                    re-reads that run instead of measuring)
   quickstart        LLN Table 1, LAVO Table 2 analogues: runs scripts/quickstart.sh into
                     runs/reproduction/quickstart (--reuse-quickstart reads an earlier run there)
   skyformer_error   Skyformer Fig. 1: Nyström error against the number of landmarks

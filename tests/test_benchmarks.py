@@ -175,7 +175,8 @@ def test_write_section_replaces_only_its_own_block(tmp_path):
 
 
 def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section(tmp_path):
-    """linattn_tools/benchmark/compare_ops.py against HEAD's own ops: every case measured on both sides, the section written."""
+    """python -m linattn_tools.benchmark.compare_ops against HEAD's own ops: every case measured on both sides,
+    the section written."""
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
     proc = subprocess.run([sys.executable, "-m", "linattn_tools.benchmark.compare_ops", "--baseline", "HEAD",
                            "--sizes", "64", "--repeats", "1", "--malloc", "default", "--json", str(out),

@@ -1,4 +1,5 @@
-"""Benchmark helpers shared by ``linattn_tools/benchmark/attention.py`` and ``linattn_tools/benchmark/model.py``.
+"""Benchmarks, each a tool: ``python -m linattn_tools.benchmark.attention`` (every op), ``.model`` (whole
+models) and ``.compare_ops`` (the ops of an earlier commit against this tree's); their shared helpers:
 
 - ``measure``: wall-clock time (median of repeats after warm-up), peak memory, matmul rate, machine
 - ``flops``: matmul FLOPs of each attention, from the algorithm

@@ -6,9 +6,9 @@ Table 2, Skyformer Table 2). Writes a JSON, a markdown table (also into docs/ben
 ``--docs``), a log-log PNG, the fitted scaling exponents and, for every method, the ratio of its
 time to its FLOP floor (matmul FLOPs of the algorithm over a matmul rate measured in the same run).
 
-    python linattn_tools/benchmark/attention.py                       # the full sweep (~20 min on 2 cores)
-    python linattn_tools/benchmark/attention.py --quick --json /tmp/a.json
-    python linattn_tools/benchmark/attention.py --from-json docs/benchmarks/attention.json --docs docs/benchmarks.md
+    python -m linattn_tools.benchmark.attention                # the full sweep (~20 min on 2 cores)
+    python -m linattn_tools.benchmark.attention --quick --json /tmp/a.json
+    python -m linattn_tools.benchmark.attention --from-json docs/benchmarks/attention.json --docs docs/benchmarks.md
 
 One call = forward + ``torch.autograd.grad`` of the output w.r.t. q, k, v (and LAVO's bases and
 bias), fp32 by default. Memory: see ``linattn_tools.benchmark.measure``.
@@ -31,7 +31,8 @@ METHODS = tuple(OPS)
 CAUSAL = {name for name, op in OPS.items() if op.causal}
 LINEAR = tuple(name for name, op in OPS.items() if not op.quadratic)  # linear time: the FLOP-floor table
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
-# the allocation-light targets: peak memory above the inputs against SDPA's (same N, same causality)
+# memory targets of the allocation-light ops: peak memory above the inputs at most this many times SDPA's
+# (same N, same causality)
 MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
                   "lavo causal": 1.25, "skyformer": 1.5}
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
@@ -181,7 +182,8 @@ def _row(res: dict, name: str, n: int):
 
 
 def targets(res: dict) -> list:
-    """The issue's targets on this machine, from the measured medians (n/a when a point is missing)."""
+    """The benchmark's targets (speed-ups against SDPA, ``MEMORY_TARGETS``, the time cost of glibc's default
+    allocator) on this machine, from the measured medians (n/a when a point is missing)."""
     out = []
 
     def ratio(a, b, n):

@@ -88,11 +88,11 @@ def child_argv(argv: Sequence[str], drop: Sequence[str], drop_flags: Sequence[st
 
 
 def run_child(args: Sequence[str], env: Optional[dict] = None, plot: bool = True) -> dict:
-    """Run this script with ``args`` (plus its own --json, and --plot if it takes one, in a temporary folder);
-    its results."""
+    """Run this tool again (``python -m`` the same module) with ``args`` (plus its own --json, and --plot if it
+    takes one, in a temporary folder); its results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
-        cmd = [sys.executable, sys.argv[0], *args, "--json", str(out)]
+        cmd = [sys.executable, *measure.own_command(), *args, "--json", str(out)]
         cmd += ["--plot", str(Path(tmp) / "child.png")] if plot else []
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         return json.loads(out.read_text())

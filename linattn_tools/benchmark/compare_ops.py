@@ -8,9 +8,9 @@ before in a process moves that ratio (non-causal LLN at N = 4096 read 1.01-1.06 
 is compared in P fresh processes of its own, and a row is the median over them, with their range. The
 earlier ops come from ``git archive <commit> linattn/ops`` (no fairseq import, see docs/design.md §1).
 Prints a table, writes JSON, and with --docs rewrites a section of docs/benchmarks.md. With ``--malloc keep``
-(the default) the script restarts with glibc keeping freed memory, as ``benchmark_attention.py`` does.
+(the default) the tool restarts with glibc keeping freed memory, as ``linattn_tools.benchmark.attention`` does.
 
-    python linattn_tools/benchmark/compare_ops.py --baseline 99cd0d5 --sizes 16384 32768 \
+    python -m linattn_tools.benchmark.compare_ops --baseline 99cd0d5 --sizes 16384 32768 \
         --json docs/benchmarks/ops_vs_99cd0d5.json --docs docs/benchmarks.md --section "ops against 99cd0d5"
 """
 import argparse
@@ -34,7 +34,7 @@ from linattn.methods import METHODS
 from linattn_tools.benchmark import cli, measure, report
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
-TOLERANCE = 0.05  # the allocation-light target: no op slower than before with --malloc keep (±5 %)
+TOLERANCE = 0.05  # the time target of the allocation-light ops: no op slower than before with --malloc keep (±5 %)
 
 
 def load_ops(commit: str, into: Path):
@@ -158,7 +158,7 @@ def render(res: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", default="99cd0d5", help="git commit whose ops are the 'before' (default 99cd0d5, "
-                   "the ops before the allocation-light work)")
+                   "the ops before the allocation-light rewrite)")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--cases", nargs="+", default=CASES, choices=CASES, metavar="CASE",
                    help=f"ops to compare (default all: {', '.join(CASES)})")
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
                    help="compare each (N, op) in this many fresh processes and report the median (default 1: "
                         "every point in this process)")
     p.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                   help="keep: restart with glibc keeping freed memory (the allocation-light target); "
+                   help="keep: restart with glibc keeping freed memory (the setting of the time target); "
                         "default: glibc's own")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--docs", type=Path, default=None, help="rewrite --section of this markdown")

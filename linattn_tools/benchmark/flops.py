@@ -1,7 +1,7 @@
 """Matmul FLOPs of each attention for one forward on (B, H, N, D) inputs, counted from the algorithm.
 
 A multiply-add is 2 FLOPs; only matrix products are counted (exp, softmax, masks are left out, so
-time / (FLOPs / matmul rate) is a lower bound's ratio: the "FLOP floor" of the issue). A backward
+time / (FLOPs / matmul rate) is a lower bound's ratio: the "FLOP floor" of the benchmark tables). A backward
 costs two matmuls per forward matmul, so a training step (forward + backward) is 3× the forward.
 The per-method counts are declared with each method (``linattn.methods``, ``Method.flops``; block softmax's
 in ``BENCHMARK_EXTRAS``).

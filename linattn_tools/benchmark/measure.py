@@ -71,15 +71,28 @@ def matmul_flops_per_second(device: torch.device, dtype: torch.dtype = torch.flo
 # applied to every method alike, SDPA included
 
 
+def own_command() -> List[str]:
+    """How this process's tool was started, without its options: ``["-m", module]`` for ``python -m module``
+    (the way every tool starts), else the script's path."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is None or not spec.name:
+        return [sys.argv[0]]
+    name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+    return ["-m", name]
+
+
 def restart_keeping_freed_memory(argv: Sequence[str]) -> None:
-    """Re-execute this script with ``KEEP_FREED_MEMORY`` in the environment, unless already set.
+    """Re-execute this tool (``argv``: its ``sys.argv``) with ``KEEP_FREED_MEMORY`` in the environment,
+    unless already set.
 
     Only on glibc (the variables mean nothing elsewhere); returns when there is nothing to do.
     """
     if platform.libc_ver()[0] != "glibc" or all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items()):
         return
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **KEEP_FREED_MEMORY})
+    os.execve(sys.executable, [sys.executable, *own_command(), *argv[1:]], {**os.environ, **KEEP_FREED_MEMORY})
 
 
 def allocator_setting() -> Optional[str]:
@@ -102,6 +115,14 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def machine_info(device: torch.device) -> Dict[str, object]:

@@ -26,8 +26,8 @@ its last two points predict more than 16 GiB); decode at L = 1K ... 16K (20 toke
 4K, 16K. They run with glibc's default allocator, as a user's ``fairseq-train`` on a CPU does
 (``--malloc keep``: freed memory kept, as a GPU's caching allocator does).
 
-    python linattn_tools/benchmark/model.py --docs docs/benchmarks.md
-    python linattn_tools/benchmark/model.py --quick --json /tmp/model.json
+    python -m linattn_tools.benchmark.model --docs docs/benchmarks.md
+    python -m linattn_tools.benchmark.model --quick --json /tmp/model.json
 """
 import argparse
 import json

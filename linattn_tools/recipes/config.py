@@ -8,7 +8,7 @@ for the CPU runs on the shipped samples. The scripts call the command line:
     python -m linattn_tools.recipes.config args configs/glue.yaml --task mnli --devices 8
     python -m linattn_tools.recipes.config get configs/pg19_lm.yaml eval.contexts --sample
 
-(It imports nothing of the package, so the scripts run it as a file: ``python .../config.py``.)
+(It imports nothing of the package, no torch or fairseq, so the scripts' ``python -m`` calls start quickly.)
 """
 import argparse
 import math

@@ -9,7 +9,8 @@
    by the ``loss`` and ``loss_scale`` it wrote to TensorBoard: finite losses and a loss scale that
    never fell below ``--min-loss-scale`` (fp16 overflows halve it; LLN Appendix A.8.1 reads its
    inverse as the stability signal);
-3. benchmark: ``linattn_tools/benchmark/attention.py`` at N = 4096 on the GPU (timed between CUDA events);
+3. benchmark: ``python -m linattn_tools.benchmark.attention`` at N = 4096 on the GPU (timed between CUDA
+   events);
 4. one line: ``gpu_selftest: PASS`` or ``gpu_selftest: FAIL`` with what failed.
 
 Without a CUDA device it stops at once with one line and exit status 2 (1 = a check failed).
@@ -162,7 +163,7 @@ def run_training(kind: str, attention: str, work: Path, updates: int, min_loss_s
 
 
 def run_benchmark(work: Path, size: int, device: str = "cuda") -> List[dict]:
-    """linattn_tools/benchmark/attention.py at N = ``size`` on CUDA; one row per series (method, causal)."""
+    """``python -m linattn_tools.benchmark.attention`` at N = ``size`` on CUDA; one row per series (method, causal)."""
     import json
 
     result = work / "benchmark_attention.json"
@@ -230,8 +231,9 @@ def main(argv=None) -> int:
             for name in names:
                 r = run_training(kind, name, args.work, args.updates, args.min_loss_scale)
                 parts["fp16 training"].append(r)
-                print(f"[train] {r['run']:<20} updates {r.get('updates', '—')} loss {_fmt(r.get('first_loss'), '.3f')}"
-                      f" -> {_fmt(r.get('last_loss'), '.3f')} min loss_scale {_fmt(r.get('min_loss_scale'), 'g')} "
+                print(f"[train] {r['run']:<20} updates {r.get('updates', '—')} "
+                      f"loss {_fmt(r.get('first_loss'), '.3f')} -> {_fmt(r.get('last_loss'), '.3f')} "
+                      f"min loss_scale {_fmt(r.get('min_loss_scale'), 'g')} "
                       f"({r.get('scale_drops', '—')} drops) {'ok' if r['ok'] else 'FAIL: ' + r['problem']} "
                       f"[{r['log']}]", flush=True)
     if "bench" in args.parts:

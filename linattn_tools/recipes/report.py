@@ -10,7 +10,7 @@ is ``train_inner`` when its keys are bare (loss, num_updates) and ``train``, ``v
 when they carry that prefix (valid_loss, valid_num_updates).
 Each table has a "paper" column beside ours with the published figure for that row (LLN Table 1 for
 GLUE, LAVO Table 2 for PG-19 perplexity; ``paper_results``), "—" where the paper has none.
-(It imports only ``paper_results`` beside it, so it also runs as a file: ``python .../report.py``.)
+(It imports only ``paper_results`` beside it, no torch or fairseq.)
 """
 import argparse
 import csv

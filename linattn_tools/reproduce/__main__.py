@@ -11,9 +11,10 @@ from typing import Dict, List, Sequence
 
 from . import common, decoding, ledger, lln_cost, lln_distribution, quickstart, skyformer_error
 
-# Wall time of each group when no earlier run of it is committed (seconds, 2 shared cores).
+# Wall time of each group when no earlier run of it is committed (seconds, on FALLBACK_CORES shared cores).
 FALLBACK_SECONDS = {"lln_distribution": 240, "lln_cost": 300, "quickstart": 600, "skyformer_error": 120,
                     "decoding": 1200}
+FALLBACK_CORES = 2
 
 
 def expected_seconds(groups: Sequence[str], directory: Path = common.RESULTS_DIR) -> Dict[str, float]:
@@ -23,9 +24,15 @@ def expected_seconds(groups: Sequence[str], directory: Path = common.RESULTS_DIR
 
 
 def expected_text(groups: Sequence[str], directory: Path = common.RESULTS_DIR) -> str:
+    """The expected wall time, on the cores of the machine that wrote the committed runs."""
+    done = common.load_results(directory)
     secs = expected_seconds(groups, directory)
     parts = ", ".join(f"{g} {s / 60:.0f} min" for g, s in secs.items())
-    return f"expected wall time about {sum(secs.values()) / 60:.0f} min on 2 CPU cores ({parts})"
+    cores = sorted({done[g]["machine"]["cpu_count"] for g in groups if g in done and done[g].get("machine")})
+    cores = cores or [FALLBACK_CORES]
+    took = ", as the committed run took" if all(g in done for g in groups) else ""
+    return (f"expected wall time about {sum(secs.values()) / 60:.0f} min on {'/'.join(map(str, cores))} CPU cores "
+            f"({parts}){took}")
 
 
 def _command(group: str, quick: bool) -> str:
@@ -46,7 +53,9 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
             settings = dict(decoding.QUICK if quick else decoding.DEFAULTS)
             common.run_group(group, _command(group, quick), settings, lambda: decoding.measure(**settings), out)
         elif group == "lln_cost":
-            settings = dict(lln_cost.DEFAULTS, threads=1, benchmark_json=str(lln_cost.RAW_JSON.relative_to(common.ROOT)),
+            settings = dict(lln_cost.DEFAULTS, threads=1,
+                            benchmark_json=str(lln_cost.RAW_JSON.relative_to(common.ROOT)),
+                            memory_budget_gib=lln_cost.memory_budget_gib(),
                             measured_here="softmax, attention dropout 0.1, at the sizes listed; the other points "
                                           "from docs/benchmarks/model.json and model_attention_dropout.json")
 
@@ -72,8 +81,8 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
             if reuse_quickstart:
                 command = (f"RUN={settings['run_dir']} bash scripts/quickstart.sh, read by {command} "
                            f"--reuse-quickstart")
-            common.run_group(group, command, settings, measure_quickstart, out,
-                             wall_s=quickstart.reported_wall_seconds(Path(quickstart_dir)) if reuse_quickstart else None)
+            wall_s = quickstart.reported_wall_seconds(Path(quickstart_dir)) if reuse_quickstart else None
+            common.run_group(group, command, settings, measure_quickstart, out, wall_s=wall_s)
 
 
 def render(results: Path, ledger_path: Path, check: bool) -> int:

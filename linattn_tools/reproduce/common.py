@@ -61,7 +61,8 @@ def run_group(group: str, command: str, settings: Dict, measure: Callable[[], Di
     started, t0, load_start = datetime.now(timezone.utc), time.perf_counter(), load_average()
     results = measure()
     record = {"group": group, "command": command, "started": started.strftime("%Y-%m-%d %H:%M UTC"),
-              "wall_s": round(time.perf_counter() - t0 if wall_s is None else wall_s, 1), "machine": machine_info(torch.device("cpu")),
+              "wall_s": round(time.perf_counter() - t0 if wall_s is None else wall_s, 1),
+              "machine": machine_info(torch.device("cpu")),
               "load": [load_start, load_average()] if wall_s is None else None,  # unknown for an earlier run
               "settings": settings, "results": results}
     path = result_path(group, directory)
