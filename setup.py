@@ -41,10 +41,5 @@ setup(
         "matplotlib",
         "pyyaml",  # configs/*.yaml (linattn_tools.recipes.config)
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
-    entry_points={
-        "console_scripts": [
-            "linattn-fit-moments=linattn_tools.fit_moments:main",
-        ]
-    },
+    extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6"]},
 )
