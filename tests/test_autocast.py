@@ -23,7 +23,7 @@ def _op(name, causal):
         "lln_diag": lambda q, k, v: ops.lln_diag_attention(q, k, v, 1.5, 1.5, causal=causal, block_size=16),
         "block_softmax": lambda q, k, v: ops.block_softmax_attention(q, k, v, causal=causal, block_size=16),
         "lavo": lambda q, k, v: ops.lavo_attention(q, k, v, bases, pos_bias, window=8, causal=causal),
-        "lavo_cross": lambda q, k, v: ops.lavo_cross_attention(q, k, v, bases),
+        "lavo_cross": lambda q, k, v: ops.lavo_cross_readout(q, *ops.lavo_cross_memory(v, bases), bases),
         "kernelized": lambda q, k, v: ops.kernelized_attention(q, k, v),
         "skyformer": lambda q, k, v: ops.skyformer_attention(q, k, v, num_landmarks=16, training=False),
     }[name]

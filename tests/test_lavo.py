@@ -8,8 +8,9 @@ from linattn import ops
 from linattn.ops.lavo import (
     lavo_attention,
     lavo_attention_reference,
-    lavo_cross_attention,
     lavo_cross_attention_reference,
+    lavo_cross_memory,
+    lavo_cross_readout,
     lavo_decode_step,
     lavo_init_bases,
     lavo_init_state,
@@ -252,6 +253,11 @@ def test_lavo_decode_state_reorders_by_index_select():
         torch.testing.assert_close(out, full[:, :, t:t + 1], rtol=1e-10, atol=1e-10)
 
 
+def cross_attention(q, k_src, v_src, bases, *, key_padding_mask=None):
+    """LAVO cross-attention (§3.4) as the decoder runs it: the source memory, then the read-out (k_src unused)."""
+    return lavo_cross_readout(q, *lavo_cross_memory(v_src, bases, key_padding_mask=key_padding_mask), bases)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("r", [3, D])
 def test_lavo_cross_attention_matches_reference_with_source_padding(dtype, tol, r):
@@ -262,11 +268,11 @@ def test_lavo_cross_attention_matches_reference_with_source_padding(dtype, tol, 
     mask[0, 6:] = True
     mask[1, :3] = True
     ref = lavo_cross_attention_reference(q, k_src, v_src, bases, key_padding_mask=mask)
-    out = lavo_cross_attention(*(t.to(dtype) for t in (q, k_src, v_src, bases)), key_padding_mask=mask)
+    out = cross_attention(*(t.to(dtype) for t in (q, k_src, v_src, bases)), key_padding_mask=mask)
     assert out.shape == (B, H, n, D) and out.dtype == dtype
     assert rel_err(out.double(), ref) < tol
     v_pad = v_src.masked_fill(mask[:, None, :, None], 1e3)  # padded source values change nothing
-    out_pad = lavo_cross_attention(q, k_src, v_pad, bases, key_padding_mask=mask)
+    out_pad = cross_attention(q, k_src, v_pad, bases, key_padding_mask=mask)
     torch.testing.assert_close(out_pad, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -274,7 +280,7 @@ def test_lavo_cross_attention_with_no_source_token_gives_zero():
     q, k_src, v_src, bases, _ = _inputs(5, 2, 4)
     mask = torch.zeros(B, 5, dtype=torch.bool)
     mask[1] = True
-    for fn in (lavo_cross_attention, lavo_cross_attention_reference):
+    for fn in (cross_attention, lavo_cross_attention_reference):
         out = fn(q, k_src, v_src, bases, key_padding_mask=mask)
         assert torch.isfinite(out).all() and out[1].abs().amax() == 0 and out[0].abs().amax() > 0
 
@@ -310,4 +316,7 @@ def test_lavo_rejects_bad_arguments(change, match):
 def test_lavo_cross_attention_rejects_value_dim_mismatch():
     q = torch.randn(B, H, 4, D)
     with pytest.raises(ValueError, match="v_src must have the head dim"):
-        lavo_cross_attention(q, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D + 1), lavo_init_bases(H, 4, D))
+        lavo_cross_attention_reference(q, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D + 1),
+                                       lavo_init_bases(H, 4, D))
+    with pytest.raises(ValueError, match="bases must have shape"):  # the memory checks v_src against the bases
+        cross_attention(q, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D + 1), lavo_init_bases(H, 4, D))

@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from linattn import ops
-from linattn.ops import lavo as lavo_mod
+from linattn.ops import working_set
 import conftest
 
 
 @pytest.fixture
 def one_window_per_pass(monkeypatch):
-    monkeypatch.setattr(lavo_mod, "_WORK_ELEMENTS", 1)
+    monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)
 
 
 def _inputs(gen, b, h, n, d, w, r):
@@ -46,7 +46,7 @@ def test_lavo_gradcheck_float64_in_many_passes(gen, one_window_per_pass, causal,
         lambda *a: ops.lavo_attention(*a, window=3, causal=causal, key_padding_mask=mask), args)
 
 
-# Group shapes of ops/_windows.py at w = 3, D = 4 and N = 12 or 14 (4 or 5 windows a head): one window, two
+# Group shapes of ops/windows.py at w = 3, D = 4 and N = 12 or 14 (4 or 5 windows a head): one window, two
 # windows of one head (a group's first window reads the window before it from the group before), whole heads
 # (window 0 of a head sits right after the previous head's last window, 2 × 3 heads: across the batch too).
 GROUP_WORK = {"one-window": 1, "two-windows": 2 * 3 * 4, "whole-heads": 1 << 20}
@@ -58,7 +58,7 @@ GROUP_WORK = {"one-window": 1, "two-windows": 2 * 3 * 4, "whole-heads": 1 << 20}
 @pytest.mark.parametrize("fairseq_layout", [False, True])
 @pytest.mark.parametrize("work", GROUP_WORK)
 def test_lavo_every_group_shape_and_layout_matches_reference(gen, monkeypatch, work, fairseq_layout, causal, padded, n):
-    monkeypatch.setattr(lavo_mod, "_WORK_ELEMENTS", GROUP_WORK[work])
+    monkeypatch.setattr(working_set, "WORK_ELEMENTS", GROUP_WORK[work])
     q, k, v, bases, pos_bias = _inputs(gen, 2, 3, n, 4, 3, 2)
     qkv = conftest.fairseq_layout(q, k, v) if fairseq_layout else (q, k, v)
     args = [t.requires_grad_() for t in (*qkv, bases, pos_bias)]

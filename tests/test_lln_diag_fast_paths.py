@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from linattn import ops
-from linattn.ops import block_softmax as bs_mod
-from linattn.ops import lln as lln_mod
+from linattn.ops import working_set
 import conftest
 from conftest import padding_mask
 
@@ -13,8 +12,7 @@ from conftest import padding_mask
 @pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])
 def passes(request, monkeypatch):
     if request.param:
-        monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 1)
-        monkeypatch.setattr(bs_mod, "_WORK_ELEMENTS", 1)
+        monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)  # LLN and block softmax read it
 
 
 def _inputs(gen, b=2, h=2, n=11, d=3, dv=2):
@@ -50,7 +48,7 @@ def test_block_softmax_gradcheck_float64(gen, passes, causal, padded):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-# Group shapes of ops/_windows.py at block size 3, D = 3 and N = 12 or 13 (4 or 5 blocks a head): one block, two
+# Group shapes of ops/windows.py at block size 3, D = 3 and N = 12 or 13 (4 or 5 blocks a head): one block, two
 # blocks of one head, whole heads (2 × 3 heads: across the batch too).
 GROUP_WORK = {"one-block": 1, "two-blocks": 2 * 3 * 3, "whole-heads": 1 << 20}
 
@@ -63,7 +61,7 @@ GROUP_WORK = {"one-block": 1, "two-blocks": 2 * 3 * 3, "whole-heads": 1 << 20}
 @pytest.mark.parametrize("work", GROUP_WORK)
 def test_every_block_group_shape_and_layout_matches_reference(gen, monkeypatch, work, fairseq_layout, causal, padded,
                                                               n, op):
-    monkeypatch.setattr(bs_mod, "_WORK_ELEMENTS", GROUP_WORK[work])
+    monkeypatch.setattr(working_set, "WORK_ELEMENTS", GROUP_WORK[work])
     qkv = _inputs(gen, b=2, h=3, n=n, d=3, dv=3)
     q, k, v = (t.requires_grad_() for t in (conftest.fairseq_layout(*qkv) if fairseq_layout else qkv))
     kw = dict(block_size=3, causal=causal, key_padding_mask=padding_mask(2, n, "left", gen) if padded else None)

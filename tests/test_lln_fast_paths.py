@@ -3,14 +3,15 @@ import pytest
 import torch
 
 from linattn import ops
-from linattn.ops import lln as lln_mod
+from linattn.ops import working_set
+from linattn.ops.lln import looped as lln_looped
 from conftest import padding_mask
 
 
 @pytest.fixture
 def small_passes(monkeypatch):
     """One row (non-causal) or one chunk (causal) per pass: every pass boundary and carry is exercised."""
-    monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 1)
+    monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)
 
 
 def _inputs(gen, b=2, h=3, n=23, d=4, dv=5):
@@ -53,18 +54,18 @@ def test_lln_learnt_scales_get_gradients(gen, causal):
 def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, monkeypatch, side):
     # b*h*d*c = 48 values per row: 144 -> groups of 3 chunks of 2; N = 99 gives 16 such groups, then a
     # shorter last group of 2 chunks whose last chunk has 1 row (the working buffers are reused at a smaller size)
-    monkeypatch.setattr(lln_mod, "_WORK_ELEMENTS", 144)
+    monkeypatch.setattr(working_set, "WORK_ELEMENTS", 144)
 
-    class Poisoned(lln_mod._Scratch):  # every buffer handed out holds NaN: each must be written before it is read
+    class Poisoned(lln_looped._Scratch):  # every buffer handed out holds NaN: each must be written before it is read
         def __call__(self, name, *shape):
             return super().__call__(name, *shape).fill_(float("nan"))
-    monkeypatch.setattr(lln_mod, "_Scratch", Poisoned)
+    monkeypatch.setattr(lln_looped, "_Scratch", Poisoned)
     q, k, v = (t.requires_grad_() for t in _inputs(gen, n=99))
     mask = padding_mask(2, 99, side, gen)
     alpha = torch.tensor([1.3, 0.8, 1.1], dtype=torch.float64)[None, :, None, None]
     grad = torch.randn(2, 3, 99, 5, generator=gen, dtype=torch.float64)
-    outs = [f(q, k, v, alpha, 0.6, causal=True, key_padding_mask=mask, chunk_size=2)
-            for f in (ops.lln_attention, ops.lln_attention_reference)]
+    outs = [ops.lln_attention(q, k, v, alpha, 0.6, causal=True, key_padding_mask=mask, chunk_size=2),
+            ops.lln_attention_reference(q, k, v, alpha, 0.6, causal=True, key_padding_mask=mask)]
     grads = [torch.autograd.grad(o, (q, k, v), grad) for o in outs]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-10)
     for fast, ref in zip(*grads):

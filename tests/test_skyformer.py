@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from linattn import ops
-from linattn.ops.kernelized import gaussian_kernel, kernelized_kernel_matrix
-from linattn.ops.skyformer import _landmark_indices, newton_schulz_inverse, skyformer_kernel_matrix
+from linattn.ops.kernelized import kernelized_kernel_matrix
+from linattn.ops.kernelized.kernel import gaussian_kernel
+from linattn.ops.skyformer import skyformer_kernel_matrix
+from linattn.ops.skyformer.nystrom import _landmark_indices, newton_schulz_inverse
 from conftest import padding_mask, rel_err
 
 

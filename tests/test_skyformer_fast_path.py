@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from linattn import ops
-from linattn.ops import skyformer as sky_mod
+from linattn.ops import working_set
 from conftest import padding_mask
 
 
 @pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])
 def passes(request, monkeypatch):
     if request.param:
-        monkeypatch.setattr(sky_mod, "_WORK_ELEMENTS", 1)
+        monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)
 
 
 @pytest.mark.parametrize("padded", [False, True])

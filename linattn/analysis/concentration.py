@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..ops._checks import compute_dtype
+from ..ops import compute_dtype
 
 F64 = torch.float64
 

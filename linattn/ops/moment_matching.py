@@ -22,7 +22,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ._checks import check_positive_int
+from .inputs import check_positive_int
 
 PAPER_A = 0.14855178144710912  # the LLN authors' published constants (preset ``paper``)
 PAPER_B = -0.35487039130661086

@@ -1,13 +1,7 @@
-"""Linear Log-Normal attention (LLN, Nahshan et al., eq. 8-9): phi_q = exp(alpha q), phi_k = exp(beta k).
+"""LLN's fast CPU form: passes over rows of working size (non-causal) and groups of chunks (causal).
 
-out_i = phi_q(q_i)^T sum_j phi_k(k_j) v_j^T / phi_q(q_i)^T sum_l phi_k(k_l)   (sums over j <= i if causal)
-
-Stabilisation (every shift cancels exactly between numerator and denominator):
-- keys are shifted per feature d by a max over keys the query may see (M_d), so that
-  z_d = sum_j exp(beta k_jd - M_d) >= 1; the query absorbs exp(M_d) and is shifted by its own max;
-- in causal mode M comes from *earlier chunks only*; a key of the current chunk that exceeds it
-  carries its own scalar shift g_j >= 0, and each query row is referenced to the running max of g
-  over the keys it sees. No output depends on a future token, even through rounding.
+q, k (B,H,N,D), v (B,H,N,Dv), alpha, beta (B|1,H|1,1,1), mask (B,S) or None; outputs and gradients are written
+into given buffers, so that LLN+Diag can add its block softmax into the same ones.
 """
 import math
 from typing import Optional, Tuple
@@ -16,36 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import (Rows, allowed_keys, autocast_off, check_key_padding_mask, check_positive_int,
-                      check_positive_scale, check_qkv, compute_dtype, masked_softmax, select_rows)
-
-_TINY = 1e-30
-
-
-def _prepare(q, k, v, alpha, beta, key_padding_mask, same_length):
-    """Validated, scaled inputs in the compute dtype: (alpha q, beta k with -inf on pads, v)."""
-    check_qkv(q, k, v, same_length=same_length)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    ct = compute_dtype(q)
-    aq = check_positive_scale("alpha", alpha, q).to(ct) * q.to(ct)
-    bk = check_positive_scale("beta", beta, q).to(ct) * k.to(ct)
-    if key_padding_mask is not None:
-        bk = bk.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
-    return aq, bk, v.to(ct)
-
-
-def _finite_or_zero(x: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-
-
-def _divide(o: Tensor) -> Tensor:
-    """[numerator, denominator] -> numerator / denominator; 0 where no key was visible."""
-    return o[..., :-1] / o[..., -1:].clamp_min(_TINY)
-
-
-def _with_ones(v: Tensor) -> Tensor:
-    """[v, 1]: the last column turns every value sum into the matching denominator sum."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+from .. import working_set
+from .features import _TINY, _finite_or_zero
 
 
 def _output_grad(grad: Tensor, out: Tensor, den: Tensor, buf: Optional[Tensor] = None) -> Tensor:
@@ -68,16 +34,15 @@ def _rows_weighted_sum(x: Tensor, g: Tensor) -> Tensor:
     return (g[..., None, :] @ x)[..., 0, :]
 
 
-# Rows of (B,H,rows,D) the fast paths process at a time: their temporaries are working-size, not N-size.
-_WORK_ELEMENTS = 1 << 20
+# Groups of chunks of causal LLN (``_causal_forward``): their temporaries are working-size, not N-size.
 _MIN_PASSES = 16  # causal LLN: a group's temporaries stay a small fraction of an (N, D) tensor
 _MIN_GROUP_ROWS = 256  # and at least this many rows: below N = 4096 more groups cost more time than they save memory
 
 
 def _work_rows(x: Tensor, multiple: int = 1) -> int:
-    """Rows per pass so that one (B,H,rows,D) temporary holds about ``_WORK_ELEMENTS`` values."""
+    """Rows per pass so that one (B,H,rows,D) temporary holds about ``working_set.WORK_ELEMENTS`` values."""
     b, h, _, d = x.shape
-    return max(1, _WORK_ELEMENTS // (b * h * d * multiple)) * multiple
+    return max(1, working_set.WORK_ELEMENTS // (b * h * d * multiple)) * multiple
 
 
 def _scaled_keys(k: Tensor, beta: Tensor, mask: Optional[Tensor], r0: int, r1: int) -> Tensor:
@@ -309,33 +274,6 @@ def _causal_backward(q, k, v, alpha, beta, mask, state, groups, c, out, grad, gs
                                        den, out, grad, gscale, carry, dq, dk, dv, ws)
 
 
-class _LLN(torch.autograd.Function):
-    """LLN with a hand-written backward; q, k, v (B,H,N,·) in the compute dtype, alpha, beta
-    (B|1,H|1,1,1) constants, mask (B,S) or None. Saves only the inputs and the small state of
-    ``_noncausal_forward`` / ``_causal_forward`` and the output (the caller holds it anyway)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mask, causal: bool, c: int):
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        if causal:
-            state, ctx.groups = _causal_forward(q, k, v, alpha, beta, mask, c, out)
-        else:
-            state = _noncausal_forward(q, k, v, alpha, beta, mask, out)
-        ctx.save_for_backward(q, k, v, alpha, beta, mask, out, *state)
-        ctx.causal, ctx.c = causal, c
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, alpha, beta, mask, out, *state = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if ctx.causal:
-            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, out, grad, 1, dq, dk, dv)
-        else:
-            _noncausal_backward(q, k, v, alpha, beta, mask, state, out, grad, 1, dq, dk, dv)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def _intra_weights(fq, fk, e, ws: _Scratch) -> Tensor:
     """W = phi_q phi_k^T e^(g_j - rho_i), j <= i, inside each chunk of a group (B,H,G,C,C)."""
     return torch.matmul(fq, fk.transpose(-1, -2), out=ws("w", *e.shape)).mul_(e)
@@ -383,8 +321,8 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
         o_out = o[..., :-1].div_(den[:, :, r0:r1])
     else:
         o_out = out[:, :, r0:r1]
-    # working buffers shared by values whose lifetimes do not overlap (memory: issue 15): go in o_state (read
-    # only to build o), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
+    # working buffers shared by values whose lifetimes do not overlap (fewer buffers, less peak memory): go in
+    # o_state (read only to build o), the queries' dL/dS in o, dL/dU in s_prev, dL/dphi_k in fqr
     go = ws("o_state", *v1.shape).flatten(2, 3)  # dL/d[numerator, denominator], 0 past the end
     _output_grad(grad[:, :, r0:r1], o_out, den[:, :, r0:r1], go[:, :, :r1 - r0])
     go[:, :, r1 - r0:] = 0
@@ -407,88 +345,3 @@ def _causal_backward_group(q, k, v, alpha, beta, mask, shifts, c, g0, g1, s, den
     dbk = dfk.mul_(fk).addcmul_(torch.matmul(v1, du.transpose(-1, -2), out=ws("prod", *fk.shape)), fki)
     torch.mul(dbk.flatten(2, 3)[:, :, :r1 - r0], beta, out=dk[:, :, r0:r1])
     return ds[:, :, 0].clone()
-
-
-def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool):
-    """Validated (q, k, v, alpha, beta, mask) for the fast paths: tensors in the compute dtype, alpha and
-    beta (B|1,H|1,1,1) constants (learnt scales are folded into q and k, where autograd carries them)."""
-    check_qkv(q, k, v, same_length=causal)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    ct = compute_dtype(q)
-    alpha = check_positive_scale("alpha", alpha, q).to(ct)
-    beta = check_positive_scale("beta", beta, q).to(ct)
-    q_, k_, v_ = q.to(ct), k.to(ct), v.to(ct)
-    if alpha.requires_grad or beta.requires_grad:
-        q_, k_, alpha, beta = alpha * q_, beta * k_, torch.ones_like(alpha), torch.ones_like(beta)
-    return q_, k_, v_, alpha.detach(), beta.detach(), key_padding_mask
-
-
-@autocast_off
-def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
-                  key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
-    """LLN attention in O(N D Dv) time (non-causal) or chunked O(N C D + (N/C) D Dv) (causal).
-
-    q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv); alpha, beta > 0, floats or tensors
-    broadcastable to (B,H,1,1). Causal needs S == N. Half inputs compute in fp32.
-    Known limit of the causal form: its shifts (one per query, one per key, none from a future
-    token) make q·k products underflow in fp32 when a query's and a key's largest features, above
-    about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
-    """
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)
-    return _LLN.apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)
-
-
-def lln_attention_weights(q: Tensor, k: Tensor, alpha, beta, *, causal: bool = False,
-                          key_padding_mask: Optional[Tensor] = None, rows: Rows = None) -> Tensor:
-    """Rows of the LLN matrix P_ij = exp(alpha q_i)·exp(beta k_j) / sum_l (the same), masked keys 0 (LLN eq. 8-9).
-
-    q (B,H,N,D), k (B,H,S,D) -> (B,H,R,S) in the compute dtype; alpha, beta > 0, floats or tensors
-    broadcastable to (B,H,1,1); ``rows`` as ``select_rows``; causal needs S == N. Features in float64,
-    each query and key shifted by its own max (the query shift cancels in the row normalisation, the
-    key shift is added back in log space): a product only underflows when its exponents differ by > ~700.
-    """
-    check_qkv(q, k, k, same_length=causal)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    index = select_rows(rows, q.shape[2], q.device)
-    aq = check_positive_scale("alpha", alpha, q).double() * q[:, :, index].double()
-    bk = check_positive_scale("beta", beta, q).double() * k.double()
-    key_shift = bk.amax(-1, keepdim=True)
-    features = torch.exp(aq - aq.amax(-1, keepdim=True)) @ torch.exp(bk - key_shift).transpose(-1, -2)
-    logits = features.clamp_min(torch.finfo(torch.float64).tiny).log() + key_shift.transpose(-1, -2)
-    allowed = allowed_keys(index, k.shape[2], causal=causal, key_padding_mask=key_padding_mask)
-    return masked_softmax(logits.to(compute_dtype(q)), allowed)
-
-
-def lln_attention_reference(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
-                            key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
-    """``lln_attention_weights`` @ v: the materialised LLN matrix (LLN eq. 8-9); chunk_size ignored."""
-    check_positive_int("chunk_size", chunk_size)
-    check_qkv(q, k, v, same_length=causal)
-    p = lln_attention_weights(q, k, alpha, beta, causal=causal, key_padding_mask=key_padding_mask)
-    return (p @ v.to(p.dtype)).to(q.dtype)
-
-
-def lln_decode_init(batch: int, heads: int, head_dim: int, value_dim: int, *, dtype=torch.float32, device=None):
-    """Empty incremental state: S (B,H,D,Dv+1) = [sum phi_k v^T, sum phi_k] and its per-feature shift (B,H,1,D)."""
-    s = torch.zeros(batch, heads, head_dim, value_dim + 1, dtype=dtype, device=device)
-    shift = torch.full((batch, heads, 1, head_dim), float("-inf"), dtype=dtype, device=device)
-    return s, shift
-
-
-@autocast_off
-def lln_decode_step(q: Tensor, k: Tensor, v: Tensor, alpha, beta, s: Tensor, shift: Tensor,
-                    key_padding_mask: Optional[Tensor] = None):
-    """One causal step, O(D Dv): q, k (B,H,1,D), v (B,H,1,Dv), state from ``lln_decode_init``.
-
-    Returns (out (B,H,1,Dv), s, shift). The state is kept in fp32 (fp64 for fp64 inputs).
-    """
-    aq, bk, v = _prepare(q, k, v, alpha, beta, key_padding_mask, same_length=True)
-    v1 = _with_ones(v)
-    new_shift = torch.maximum(shift, bk)  # running per-feature max, the current key included
-    decay = torch.where(torch.isfinite(shift), torch.exp(shift - _finite_or_zero(new_shift)), torch.zeros_like(shift))
-    new_shift_f = _finite_or_zero(new_shift)
-    s = s * decay.transpose(-1, -2) + torch.exp(bk - new_shift_f).transpose(-1, -2) @ v1
-    a = aq + new_shift_f
-    fq = torch.exp(a - a.amax(-1, keepdim=True))
-    return _divide(fq @ s).to(q.dtype), s, new_shift

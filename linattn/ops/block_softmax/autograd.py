@@ -1,0 +1,48 @@
+"""Block softmax as an autograd op: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv)."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
+from ..precision import autocast_off, compute_dtype
+from .looped import block_valid, blocks_backward_, blocks_forward_
+
+
+class _BlockSoftmax(torch.autograd.Function):
+    """Block-diagonal softmax with a hand-written backward that recomputes the probabilities per group
+    of blocks; q, k, v (B,H,N,·) compute dtype, valid (B,nb*bs) or None. Saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, valid, bs: int, causal: bool):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        blocks_forward_(q, k, v, valid, bs, causal, out, 1.0)
+        ctx.save_for_backward(q, k, v, valid)
+        ctx.bs, ctx.causal = bs, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, valid = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        blocks_backward_(q, k, v, valid, ctx.bs, ctx.causal, grad, 1.0, dq, dk, dv, accumulate=False)
+        return dq, dk, dv, None, None, None
+
+
+@autocast_off
+def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64, causal: bool = False,
+                            key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Tokens [m*bs, (m+1)*bs) attend to keys of their own block only; a shorter last block.
+
+    q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). Padded keys are masked inside blocks; causal adds
+    a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time; beyond
+    the inputs it holds the output, the gradients and working-size temporaries (``_BlockSoftmax``).
+    """
+    check_qkv(q, k, v)
+    block_size = check_positive_int("block_size", block_size)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    n = q.shape[2]
+    bs = min(block_size, n)
+    ct = compute_dtype(q)
+    valid = block_valid(key_padding_mask, n, bs, q.device)
+    return _BlockSoftmax.apply(q.to(ct), k.to(ct), v.to(ct), valid, bs, causal).to(q.dtype)

@@ -1,0 +1,27 @@
+"""Kernelized attention C V in blocks of query rows: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv)."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
+from ..precision import autocast_off
+from .kernel import _exact_kernel, _prepare, check_non_causal
+
+
+@autocast_off
+def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                         causal: bool = False, chunk_size: int = 1024) -> Tensor:
+    """out = C V, C_ij = exp(q_i·k_j - |q_i|²/2 - |k_j|²/2) on q, k scaled by D^(-1/4).
+
+    q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Exact (quadratic by nature); computed in
+    blocks of ``chunk_size`` query rows so the forward holds at most chunk_size×S kernel entries.
+    Padded keys' columns of C are zero.
+    """
+    check_non_causal("kernelized", "exact Gaussian-kernel attention over the whole sequence", causal)
+    check_qkv(q, k, v, same_length=False)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    qs, ks, v = _prepare(q, k, v, key_padding_mask)
+    out = [_exact_kernel(qc, ks, key_padding_mask) @ v for qc in qs.split(chunk_size, dim=2)]
+    return torch.cat(out, dim=2).to(q.dtype)

@@ -1,0 +1,71 @@
+"""LLN+Diag as autograd ops: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); ``average`` in one op."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..block_softmax.autograd import block_softmax_attention
+from ..block_softmax.looped import block_valid, blocks_backward_, blocks_forward_
+from ..inputs import check_positive_int
+from ..lln.autograd import lln_attention, lln_inputs
+from ..lln.looped import _causal_backward, _causal_forward, _noncausal_backward, _noncausal_forward
+from ..precision import autocast_off
+from .mixing import mix_lln_diag
+
+
+class _LLNDiagAverage(torch.autograd.Function):
+    """0.5 (LLN + Diag) (LLN §4.2) built in one output buffer, with a hand-written backward that adds
+    both parts' gradients into one set of buffers. Inputs as ``lln.autograd._LLN`` plus valid (B|1,nb*bs) or None
+    and the block size; saves only the inputs and LLN's small state (LLN's output is rebuilt)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, beta, mask, valid, causal: bool, c: int, bs: int):
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        if causal:
+            state, ctx.groups = _causal_forward(q, k, v, alpha, beta, mask, c, out)
+        else:
+            state = _noncausal_forward(q, k, v, alpha, beta, mask, out)
+        blocks_forward_(q, k, v, valid, bs, causal, out, 0.5)
+        ctx.save_for_backward(q, k, v, alpha, beta, mask, valid, *state)
+        ctx.causal, ctx.c, ctx.bs = causal, c, bs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, alpha, beta, mask, valid, *state = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if ctx.causal:
+            _causal_backward(q, k, v, alpha, beta, mask, state, ctx.groups, ctx.c, None, grad, 0.5, dq, dk, dv)
+        else:
+            _noncausal_backward(q, k, v, alpha, beta, mask, state, None, grad, 0.5, dq, dk, dv)
+        blocks_backward_(q, k, v, valid, ctx.bs, ctx.causal, grad, 0.5, dq, dk, dv, accumulate=True)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_size: int = 64,
+                       causal: bool = False, key_padding_mask: Optional[Tensor] = None,
+                       chunk_size: int = 64, mix: str = "average", r: Optional[Tensor] = None,
+                       p: Optional[Tensor] = None) -> Tensor:
+    """q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); linear in N for a fixed block_size.
+
+    ``average`` runs both parts in one op (``_LLNDiagAverage``: one output, one set of gradients);
+    the learnable mixes combine the two ops' outputs.
+    """
+    if mix == "average":
+        return _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size)
+    lln = lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask,
+                        chunk_size=chunk_size)
+    diag = block_softmax_attention(q, k, v, block_size=block_size, causal=causal,
+                                   key_padding_mask=key_padding_mask)
+    return mix_lln_diag(lln, diag, mix, r, p)
+
+
+@autocast_off
+def _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size) -> Tensor:
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    block_size = check_positive_int("block_size", block_size)
+    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)
+    n = q.shape[2]
+    bs = min(block_size, n)
+    valid = block_valid(args[-1], n, bs, q.device)
+    return _LLNDiagAverage.apply(*args, valid, causal, min(chunk_size, n), bs).to(q.dtype)

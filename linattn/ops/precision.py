@@ -1,0 +1,26 @@
+"""Precision rules of the ops: half inputs compute in float32, and autocast is off inside every op."""
+import functools
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """Half inputs compute in float32; float32/float64 compute in their own precision."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def autocast_off(op):
+    """Run ``op`` with autocast off on the device of its first argument.
+
+    Under ``torch.autocast`` (fairseq's ``--amp``) matmuls run in fp16/bf16 even after an op has
+    upcast its inputs: the features and sums an op computes in float32 would be rounded to half.
+    With autocast off each op computes as documented (half inputs in float32, output in their dtype).
+    """
+    @functools.wraps(op)
+    def run(q, *args, **kwargs):
+        device_type = q.device.type if isinstance(q, Tensor) else "cpu"
+        with torch.autocast(device_type=device_type, enabled=False):
+            return op(q, *args, **kwargs)
+
+    return run
