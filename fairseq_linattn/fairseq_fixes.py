@@ -2,7 +2,8 @@
 by ``apply_fairseq_fixes`` when the plugin is imported (tests/test_fairseq_fixes.py checks that each is still
 needed and still works).
 
-1. Checkpoints on torch >= 2.6: fairseq's ``checkpoint_utils`` calls ``torch.load(f, map_location=...)``; torch >= 2.6 defaults
+1. Checkpoints on torch >= 2.6: fairseq's ``checkpoint_utils`` calls ``torch.load(f, map_location=...)``;
+torch >= 2.6 defaults
 that to ``weights_only=True``, which rejects the argparse/omegaconf/numpy objects every fairseq
 checkpoint holds (fairseq issues #5603, #5610; fixed upstream after 0.12 by passing
 ``weights_only=False``). In a distributed run only rank 0 reads the file and

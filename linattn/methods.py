@@ -13,7 +13,10 @@ get the ops module as an argument).
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:  # linattn/config.py imports this module
+    from linattn.config import AttentionConfig
 
 ROLES = ("encoder", "decoder", "cross")  # non-causal self-attention, causal self-attention, encoder-decoder
 ROLE_OPTIONS = {"encoder": "encoder_attention_type", "decoder": "decoder_attention_type",
@@ -32,7 +35,7 @@ class Method:
 
     name: str
     title: str  # for tables and plots
-    module_class: str  # class name in fairseq_linattn.modules.attention
+    module_class: str  # class name in fairseq_linattn.modules (its file imported by modules/build.py)
     roles: Tuple[str, ...]
     options: Tuple[str, ...] = ()  # AttentionConfig fields this method reads (the shared ones: every model)
     flops: Callable[..., float] = None  # (n, d, causal, cfg) -> matmul FLOPs of one forward per (batch, head)

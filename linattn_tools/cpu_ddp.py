@@ -16,7 +16,8 @@ stderr naming the rank; Ctrl-C stops every rank.
 The ranks run with glibc keeping freed memory (``linattn_tools/malloc.py``; an environment that sets
 ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` keeps its own). Each rank reads its own shard
 of every batch, as under GPU DDP; the global batch is nproc × --batch-size × --update-freq. On GPUs use
-fairseq's own launch (``--distributed-world-size`` or ``torchrun ... fairseq-train``): this module is for CPU tests and CPU-only machines.
+fairseq's own launch (``--distributed-world-size`` or ``torchrun ... fairseq-train``): this module is for CPU
+tests and CPU-only machines.
 """
 import argparse
 import os

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from fairseq_data import USER_DIR, make_lm_data, run
+
 from linattn_tools.analysis.cli import main
 
 MAX_PNG_BYTES = 200_000

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import padding_mask
+
+from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
 from linattn import ops
 from linattn.analysis import entropy, log_moments, sparsity, spectral_gap
 from linattn.methods import METHODS
-from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
 
 F64 = torch.float64
 E, H, T, B = 16, 2, 23, 3
@@ -116,7 +116,8 @@ def test_row_functions_reject_bad_arguments():
 
 def _module(method, causal, gen, **opts):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    module = build_attention(method, E, H, causal=causal, config={"lln_chunk_size": 8, "lln_diag_block_size": 5, **opts})
+    module = build_attention(method, E, H, causal=causal,
+                             config={"lln_chunk_size": 8, "lln_diag_block_size": 5, **opts})
     return module.double().eval()
 
 

@@ -3,8 +3,8 @@ otherwise run its internal matmuls in half precision (measured here before the f
 relative error in bf16 against the same op without autocast)."""
 import pytest
 import torch
-
 from conftest import rel_err
+
 from linattn import ops
 from linattn.ops.lln import lln_decode_init, lln_decode_step
 

@@ -2,7 +2,6 @@
 
 No timing assertions: only structure, budgets, and quantities with a known answer.
 """
-import importlib.util
 import json
 import os
 import platform
@@ -18,7 +17,8 @@ from linattn_tools.benchmark import flops, measure, report, sweep
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-MODULES = {"benchmark_attention": "linattn_tools.benchmark.attention", "benchmark_model": "linattn_tools.benchmark.model"}
+MODULES = {"benchmark_attention": "linattn_tools.benchmark.attention",
+           "benchmark_model": "linattn_tools.benchmark.model"}
 
 
 def run_script(name, tmp_path, *extra):
@@ -180,7 +180,8 @@ def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
     proc = subprocess.run([sys.executable, "-m", "linattn_tools.benchmark.compare_ops", "--baseline", "HEAD",
                            "--sizes", "64", "--repeats", "1", "--malloc", "default", "--json", str(out),
-                           "--docs", str(doc), "--section", "ops"], capture_output=True, text=True, timeout=300, env=ENV)
+                           "--docs", str(doc), "--section", "ops"],
+                          capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [r["op"] for r in res["rows"]] == ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo",

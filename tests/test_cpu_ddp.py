@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from linattn_tools import cpu_ddp
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from linattn_tools import cpu_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,7 +258,8 @@ def test_ranks_run_with_glibc_keeping_freed_memory(tmp_path):
     script.write_text("import os, sys\n"
                       "rank = sys.argv[sys.argv.index('--distributed-rank') + 1]\n"
                       f"open({str(tmp_path)!r} + f'/rank{{rank}}.env', 'w').write("
-                      "os.environ.get('MALLOC_MMAP_THRESHOLD_', '') + ' ' + os.environ.get('MALLOC_TRIM_THRESHOLD_', ''))\n")
+                      "os.environ.get('MALLOC_MMAP_THRESHOLD_', '') + ' ' + "
+                      "os.environ.get('MALLOC_TRIM_THRESHOLD_', ''))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(MALLOC_TRIM_THRESHOLD_="4096",  # the user's own setting is kept
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-
 from fairseq_data import USER_DIR, make_lm_data, run
 
 pytestmark = pytest.mark.slow  # end to end: fairseq's command lines on generated data

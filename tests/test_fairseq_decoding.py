@@ -3,13 +3,13 @@ every real token, beam reordering after a padded prefix, and LAVO cross-attentio
 once per source in fairseq's beam search."""
 import pytest
 import torch
+from conftest import rel_err
 from fairseq import options, tasks
 from fairseq.data import Dictionary
 from fairseq.sequence_generator import SequenceGenerator
-
-from conftest import rel_err
-from linattn.methods import methods_for
 from fairseq_data import USER_DIR
+
+from linattn.methods import methods_for
 
 # small windows, blocks and chunks so that 16 tokens cross several; LLN's alpha != beta
 METHOD_ARGS = ["--lln-chunk-size", "4", "--lln-diag-block-size", "4", "--lavo-window", "4",

@@ -6,9 +6,7 @@ import sys
 
 import pytest
 import torch
-
-from fairseq_data import (USER_DIR, make_classification_data, make_lm_data, make_translation_data, run,
-                          write_corpus)
+from fairseq_data import USER_DIR, make_classification_data, make_lm_data, make_translation_data, run, write_corpus
 from test_fairseq_cli import TRAIN_COMMON, train_lm
 
 pytestmark = pytest.mark.slow  # end to end: fairseq's command lines on generated data
@@ -80,7 +78,8 @@ print('beams', [lm.task.source_dictionary.string(h['tokens']) for h in hyps])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    proc = run(["fairseq-interactive", lm_data, "--task", "language_modeling", "--path", tmp_path / "checkpoint_last.pt",
+    proc = run(["fairseq-interactive", lm_data, "--task", "language_modeling",
+                "--path", tmp_path / "checkpoint_last.pt",
                 "--user-dir", USER_DIR, "--cpu", "--sampling", "--beam", "1", "--sampling-topk", "10",
                 "--max-len-b", "10", "--seed", "3"], input="the quick fox\nw1 w2\n")
     hyps = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
@@ -125,7 +124,8 @@ def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, t
     assert two.returncode == 0, two.stderr[-4000:]
     assert "distributed init (rank 1)" in two.stderr + two.stdout or "world_size: 2" in two.stderr
     run(["fairseq-train", *args, "--cpu", "--save-dir", tmp_path / "one", "--update-freq", "2"])
-    a, b = load_model_state(tmp_path / "two" / "checkpoint_last.pt"), load_model_state(tmp_path / "one" / "checkpoint_last.pt")
+    a = load_model_state(tmp_path / "two" / "checkpoint_last.pt")
+    b = load_model_state(tmp_path / "one" / "checkpoint_last.pt")
     assert a.keys() == b.keys()
     for key in a:
         if ".matcher.ema_var_" in key:  # statistics folded per micro-batch (1 per rank vs 2 per update)

@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from linattn_tools.recipes import gpu_selftest
 

@@ -2,8 +2,8 @@
 gradients, half precision, token-by-token decoding and argument errors."""
 import pytest
 import torch
-
 from conftest import rel_err
+
 from linattn import ops
 from linattn.ops.lavo import (
     lavo_attention,

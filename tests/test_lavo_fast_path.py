@@ -1,10 +1,10 @@
 """LAVO fast path processed one window per pass: reference and float64 gradcheck across pass boundaries."""
+import conftest
 import pytest
 import torch
 
 from linattn import ops
 from linattn.ops import working_set
-import conftest
 
 
 @pytest.fixture

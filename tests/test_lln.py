@@ -1,11 +1,11 @@
 """LLN attention: chunked/linear fast path vs the materialised paper formula (LLN eq. 8-9)."""
 import pytest
 import torch
+from conftest import padding_mask, rel_err
+from util_memory import LargestTensor
 
 from linattn import ops
 from linattn.ops.lln import lln_decode_init, lln_decode_step
-from conftest import padding_mask, rel_err
-from util_memory import LargestTensor
 
 LENGTHS = [1, 7, 63, 65, 257]
 

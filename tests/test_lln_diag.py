@@ -1,11 +1,11 @@
 """LLN+Diag and its block-diagonal softmax part vs materialised N×N references (LLN §4.2)."""
 import pytest
 import torch
+from conftest import padding_mask, rel_err
+from util_memory import LargestTensor
 
 from linattn import ops
 from linattn.ops.lln_diag import mix_lln_diag
-from conftest import padding_mask, rel_err
-from util_memory import LargestTensor
 
 
 def qkv(gen, b=2, h=3, n=33, d=8, dtype=torch.float64):
@@ -118,7 +118,8 @@ def test_mix_lln_diag_closed_forms_per_mode():
     scale = torch.tensor([[15.2, 14.8, -5.8], [5.4, 2.8, 3.5]], dtype=torch.float64)
     torch.testing.assert_close(mix_lln_diag(lln, diag, "learnable_scale", r, p),
                                scale[None, :, None, :].expand(2, 2, 4, 3))
-    # learnable_ratio r*LLN + (1-r)*Diag, head 0: (0.2 + 9, -0.2 + 4.8, 1.2 - 1.4), head 1: (1.4 + 3, -0.8 + 1.2, 3.6 - 0.2)
+    # learnable_ratio r*LLN + (1-r)*Diag, head 0: (0.2 + 9, -0.2 + 4.8, 1.2 - 1.4),
+    # head 1: (1.4 + 3, -0.8 + 1.2, 3.6 - 0.2)
     ratio = torch.tensor([[9.2, 4.6, -0.2], [4.4, 0.4, 3.4]], dtype=torch.float64)
     torch.testing.assert_close(mix_lln_diag(lln, diag, "learnable_ratio", r, p),
                                ratio[None, :, None, :].expand(2, 2, 4, 3))

@@ -1,12 +1,12 @@
 """LLN+Diag (average, one fused op) and block softmax fast paths: reference and float64 gradcheck,
 also with one block / one chunk per working pass."""
+import conftest
 import pytest
 import torch
+from conftest import padding_mask
 
 from linattn import ops
 from linattn.ops import working_set
-import conftest
-from conftest import padding_mask
 
 
 @pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])

@@ -1,11 +1,11 @@
 """LLN fast paths processed in several working-size passes (groups of chunks): reference and gradcheck."""
 import pytest
 import torch
+from conftest import padding_mask
 
 from linattn import ops
 from linattn.ops import working_set
 from linattn.ops.lln import looped as lln_looped
-from conftest import padding_mask
 
 
 @pytest.fixture

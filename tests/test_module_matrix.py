@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import padding_mask
-from linattn.analysis import entropy, spectral_gap
+
 from fairseq_linattn.analysis.module_matrix import module_attention_matrix, projected_qk
 from fairseq_linattn.modules import build_attention
+from linattn.analysis import entropy, spectral_gap
 from linattn.ops import lavo_token_mixing
 
 E, H, T, B = 16, 2, 23, 3

@@ -2,10 +2,10 @@
 and role the registry declares: the check the GPU self-test runs on a GPU."""
 import pytest
 import torch
-
 from conftest import padding_mask, rel_err
-from linattn.methods import METHODS
+
 from fairseq_linattn.modules import build_attention
+from linattn.methods import METHODS
 
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 CONFIG = dict(lln_chunk_size=4, lln_diag_block_size=5, lln_diag_mix="learnable_scale", lln_stats_per_head=True,

@@ -1,11 +1,11 @@
 """The fairseq attention modules: fairseq parity (softmax), incremental decoding, layout, errors."""
 import pytest
 import torch
+from conftest import rel_err
 from fairseq.modules import MultiheadAttention
 
-from linattn.methods import METHODS, methods_for
 from fairseq_linattn.modules import build_attention
-from conftest import rel_err
+from linattn.methods import METHODS, methods_for
 
 E, H = 32, 4
 

@@ -13,13 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from linattn import ops
-from linattn_tools.fit_moments import main
-from fairseq_linattn.modules.moment_matcher import MomentMatcher
-from linattn.ops.moment_matching import (PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants,
-                                                 lln_alpha_beta, lln_variance_log_p, load_constants)
 from conftest import padding_mask
+
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from linattn import ops
+from linattn.ops.moment_matching import (
+    PAPER_A,
+    PAPER_B,
+    exact_moment_table,
+    fit_moment_constants,
+    lln_alpha_beta,
+    lln_variance_log_p,
+    load_constants,
+)
+from linattn_tools.fit_moments import main
 
 F64 = torch.float64
 SIGMAS = [0.5, 0.75, 1.0, 1.25, 1.5]

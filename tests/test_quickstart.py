@@ -58,7 +58,8 @@ def test_fast_quickstart_reports_losses_accuracies_and_perplexities_per_attentio
     assert paper_lm["lavo"] == {"paper ppl @1x": "19.43", "paper ppl @1.5x": "19.41", "paper ppl @2x": "19.40"}
     assert list(paper_lm["softmax"].values()) == ["16.02", "40.33", "94.34"]
     assert list(paper_lm["lln"].values()) == ["—", "—", "—"]
-    assert all(cells == {"paper accuracy": "—"} for cells in table_rows(report, "## Bidirectional", paper=True).values())
+    rows = table_rows(report, "## Bidirectional", paper=True)
+    assert all(cells == {"paper accuracy": "—"} for cells in rows.values())
     assert "fine-tuning task kjv_testament" in report
     for png in ("loss_curves.png", "ppl_vs_context.png"):
         data = (run_dir / png).read_bytes()

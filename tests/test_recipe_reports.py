@@ -91,7 +91,8 @@ def test_pg19_summary_puts_lavo_table2_beside_each_context_ratio():
             for c, r in ((128, 1.0), (192, 1.5), (256, 2.0), (512, 4.0))]
     text = report.pg19_summary(rows, "lavo")
     assert text.splitlines()[0].endswith("| word ppl | paper ppl |")
-    assert text.splitlines()[2:6] == ["| 128 | 1 | 4.000 | 16.00 | — | 19.43 |", "| 192 | 1.5 | 4.000 | 16.00 | — | 19.41 |",
+    assert text.splitlines()[2:6] == ["| 128 | 1 | 4.000 | 16.00 | — | 19.43 |",
+                                      "| 192 | 1.5 | 4.000 | 16.00 | — | 19.41 |",
                                       "| 256 | 2 | 4.000 | 16.00 | — | 19.40 |", "| 512 | 4 | 4.000 | 16.00 | — | — |"]
     assert [line.split("|")[-2].strip() for line in report.pg19_summary(rows, "softmax").splitlines()[2:6]] == \
         ["16.02", "40.33", "94.34", "—"]

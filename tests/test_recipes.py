@@ -10,8 +10,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-from linattn_tools.recipes import (config, make_samples, prepare_glue, prepare_pg19,  # noqa: E402
-                                     prepare_wikitext103, steps)
+from linattn_tools.recipes import config, make_samples, prepare_glue, prepare_pg19, prepare_wikitext103, steps  # noqa: E402
 from linattn_tools.recipes.bpe import gpt2_files, train_sentencepiece  # noqa: E402
 from linattn_tools.recipes.sources import SourceError, run_cli  # noqa: E402
 

@@ -99,8 +99,10 @@ BREAKS = {  # claim id -> an edit of its result record under which the claim mus
     "lln-fig5b-fit": lambda r: _set_var(r, "lln_fit", 0.5),
     "lln-fig5b-exact": lambda r: _set_var(r, "lln_exact", 1.3),
     "lln-fig5b-unmatched": lambda r: _set_var(r, "lln_unmatched", 0.9),
-    "lln-fig2-entropy": lambda r: [p["lln_paper"].update(entropy_bits=p["lln_unmatched"]["entropy_bits"]) for p in _dist(r)],
-    "lln-fig2-gap": lambda r: [p["lln_paper"].update(spectral_gap=p["lln_unmatched"]["spectral_gap"]) for p in _dist(r)],
+    "lln-fig2-entropy": lambda r: [p["lln_paper"].update(entropy_bits=p["lln_unmatched"]["entropy_bits"])
+                                   for p in _dist(r)],
+    "lln-fig2-gap": lambda r: [p["lln_paper"].update(spectral_gap=p["lln_unmatched"]["spectral_gap"])
+                               for p in _dist(r)],
     "lln-table2-linear": lambda r: _scale_cost(r, "lln", "seconds", lambda p: p["n"] ** 2 / 1e6),
     "lln-table2-speed": lambda r: _scale_cost(r, "lln_diag", "seconds", 100.0),
     "lln-table2-longest": lambda r: _scale_cost(r, "lln", "total_bytes", lambda p: p["n"] ** 2 * 1000),

@@ -1,13 +1,13 @@
 """Kernelized attention (exact Gaussian kernel) and Skyformer (its Nyström approximation), docs/design.md §5."""
 import pytest
 import torch
+from conftest import padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.kernelized import kernelized_kernel_matrix
 from linattn.ops.kernelized.kernel import gaussian_kernel
 from linattn.ops.skyformer import skyformer_kernel_matrix
 from linattn.ops.skyformer.nystrom import _landmark_indices, newton_schulz_inverse
-from conftest import padding_mask, rel_err
 
 
 def spectral(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Skyformer fast path (C_Q, C_K rebuilt pass by pass): equals C_approx V, float64 gradcheck with padding."""
 import pytest
 import torch
+from conftest import padding_mask
 
 from linattn import ops
 from linattn.ops import working_set
-from conftest import padding_mask
 
 
 @pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])

@@ -1,9 +1,9 @@
 """The softmax baseline: SDPA path vs the materialised formula, with causal and padding masks."""
 import pytest
 import torch
+from conftest import padding_mask
 
 from linattn import ops
-from conftest import padding_mask
 
 
 @pytest.mark.parametrize("causal", [False, True])

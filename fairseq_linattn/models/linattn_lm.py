@@ -2,11 +2,17 @@
 from dataclasses import dataclass
 
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,
-                                           base_lm_architecture, transformer_lm_gpt, transformer_lm_gpt2_small)
+from fairseq.models.transformer_lm import (
+    TransformerLanguageModel,
+    TransformerLanguageModelConfig,
+    base_lm_architecture,
+    transformer_lm_gpt,
+    transformer_lm_gpt2_small,
+)
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, layer_types
+
 from ..modules.layers import LinAttnTransformerDecoder
 from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build

@@ -1,11 +1,17 @@
 """``linattn_roberta``: RoBERTa (masked LM + classification heads) with any attention of the plugin."""
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.roberta.model import (RobertaEncoder, RobertaModel, base_architecture,
-                                          roberta_base_architecture, roberta_large_architecture)
+from fairseq.models.roberta.model import (
+    RobertaEncoder,
+    RobertaModel,
+    base_architecture,
+    roberta_base_architecture,
+    roberta_large_architecture,
+)
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
 from linattn.config import AttentionConfig
+
 from ..modules.layers import LinAttnTransformerEncoder
 from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build

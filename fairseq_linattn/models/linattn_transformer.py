@@ -6,6 +6,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.models.transformer.transformer_legacy import base_architecture, tiny_architecture
 
 from linattn.config import AttentionConfig
+
 from ..modules.layers import LinAttnTransformerDecoder, LinAttnTransformerEncoder
 from ..options import AttentionOptions, check_attention_options
 from .on_build import after_build

@@ -11,9 +11,8 @@ import math
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
-
 from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor, nn
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for

@@ -4,7 +4,9 @@ from typing import Mapping, Union
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
+
 from .base import AttentionBase
+
 # every class a registry entry may name, looked up in this module's globals below
 from .kernelized import KernelizedAttention  # noqa: F401
 from .lavo import LAVOAttention  # noqa: F401

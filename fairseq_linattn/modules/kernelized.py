@@ -2,6 +2,7 @@
 import torch
 
 from linattn import ops
+
 from .base import AttentionBase
 
 

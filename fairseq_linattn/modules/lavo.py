@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from linattn import ops
+
 from .base import AttentionBase
 from .padding import over_real_tokens, rows_over_real_tokens
 

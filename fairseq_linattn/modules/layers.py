@@ -7,11 +7,12 @@ import itertools
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder, TransformerEncoder
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from linattn.config import AttentionConfig
 from linattn.methods import layer_types
+
 from .build import build_attention
 
 

@@ -3,6 +3,7 @@ import torch
 
 from linattn import ops
 from linattn.ops import lln_decode_init, lln_decode_step
+
 from .base import AttentionBase
 from .moment_matcher import MomentMatcher
 

@@ -4,6 +4,7 @@ from torch import nn
 
 from linattn import ops
 from linattn.ops import mix_lln_diag
+
 from .lln import LLNAttention
 from .padding import over_real_tokens, rows_over_real_tokens
 

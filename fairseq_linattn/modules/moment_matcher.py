@@ -12,8 +12,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from linattn.ops import check_key_padding_mask, check_positive_int, compute_dtype
-from linattn.ops.moment_matching import (MIN_SIGMA, MODES, PAPER_A, PAPER_B, STATS, _as_f64, _check_scale_limit,
-                                   _is_number, exact_moment_table, lln_alpha_beta, load_constants)
+from linattn.ops.moment_matching import (
+    MIN_SIGMA,
+    MODES,
+    PAPER_A,
+    PAPER_B,
+    STATS,
+    _as_f64,
+    _check_scale_limit,
+    _is_number,
+    exact_moment_table,
+    lln_alpha_beta,
+    load_constants,
+)
 
 _F64 = torch.float64
 _STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)

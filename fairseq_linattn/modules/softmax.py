@@ -3,6 +3,7 @@ import torch
 
 from linattn import ops
 from linattn.ops import check_key_padding_mask, compute_dtype
+
 from .base import AttentionBase
 
 
@@ -24,7 +25,7 @@ class SoftmaxAttention(AttentionBase):
     def step(self, q, k, v, key_padding_mask, state):
         if "prev_key" in state:
             k, v = torch.cat([state["prev_key"], k], 2), torch.cat([state["prev_value"], v], 2)
-        b, s = k.shape[0], k.shape[2]
+        b = k.shape[0]
         mask = key_padding_mask if key_padding_mask is not None else torch.zeros(b, 1, dtype=torch.bool,
                                                                                      device=k.device)
         if "prev_key_padding_mask" in state:

@@ -11,9 +11,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .concentration import entropy, log_moments, sparsity, spectral_gap
 from ..ops import lln_attention_weights, softmax_attention_weights
 from ..ops.moment_matching import exact_moment_table, lln_alpha_beta
+from .concentration import entropy, log_moments, sparsity, spectral_gap
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_exact")
 DEFAULT_VARIANCES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)

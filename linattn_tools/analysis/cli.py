@@ -23,10 +23,11 @@ from typing import Dict, List
 
 import torch
 
+from linattn.analysis.synthetic import DEFAULT_VARIANCES, synthetic_curves
 from linattn.methods import METHODS
 
 from . import plots
-from linattn.analysis.synthetic import DEFAULT_VARIANCES, synthetic_curves
+
 
 class AnalysisError(Exception):
     """A problem with the command's input, reported as one line."""
@@ -93,9 +94,9 @@ def load_checkpoint(path: str, data: str):
         raise AnalysisError("--data DIR is required with a checkpoint (the data directory of its task)")
     if not os.path.isdir(data):
         raise AnalysisError(f"--data: directory not found: {data}")
-    import fairseq_linattn  # noqa: F401  (registers the models before the checkpoint is read)
     from fairseq import checkpoint_utils
 
+    import fairseq_linattn  # noqa: F401  (registers the models before the checkpoint is read)
     from fairseq_linattn.analysis.training_stats import self_attention_modules
 
     try:

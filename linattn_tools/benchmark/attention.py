@@ -22,8 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
-from linattn_tools.benchmark import cli, flops, measure, report, sweep
 from linattn.methods import benchmarked
+from linattn_tools.benchmark import cli, flops, measure, report, sweep
 
 # the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn.methods.BENCHMARK_EXTRAS)
 OPS = benchmarked()

@@ -31,7 +31,6 @@ its last two points predict more than 16 GiB); decode at L = 1K ... 16K (20 toke
 """
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -39,8 +38,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from linattn_tools.benchmark import cli, fairseq_models, fit, measure, report, sweep
 from linattn.methods import METHODS, methods_for
+from linattn_tools.benchmark import cli, fairseq_models, fit, measure, report, sweep
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"

@@ -47,8 +47,9 @@ def op_cases(heads: int, head_dim: int, seed: int = 0) -> Dict[str, Callable]:
     import copy
 
     import torch
-    from linattn.methods import METHODS
+
     from fairseq_linattn.modules import build_attention
+    from linattn.methods import METHODS
 
     torch.manual_seed(seed)
     cases = {}

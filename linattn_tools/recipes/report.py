@@ -16,8 +16,8 @@ import argparse
 import csv
 import json
 import math
-from pathlib import Path
 import re
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import paper_results
@@ -265,8 +265,8 @@ def quickstart_report(run: Path, meta: dict) -> Path:
     tasks = {finetune_task(run / "finetune" / name / "train.log") for name in finetune} - {None}
     task = tasks.pop() if len(tasks) == 1 else None
     lines += ["## Bidirectional encoder: masked-LM pretraining, then fine-tuning", "",
-              f"| attention | MLM train loss (last) | MLM valid loss | fine-tune valid loss | "
-              f"fine-tune valid accuracy (best) | paper accuracy |", "|---|---|---|---|---|---|"]
+              "| attention | MLM train loss (last) | MLM valid loss | fine-tune valid loss | "
+              "fine-tune valid accuracy (best) | paper accuracy |", "|---|---|---|---|---|---|"]
     for name, log in pretrain.items():
         ft = finetune.get(name, {tag: [] for tag in TAGS})
         paper = paper_cell(paper_results.glue(task, name), 1) if task else "—"

@@ -1,5 +1,5 @@
 """Render docs/reproduction.md from the result records and the claims (nothing in it is typed by hand)."""
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from .claims import Verdict, evaluate_all
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from .common import ROOT, RESULTS_DIR, settings
+from .common import RESULTS_DIR, ROOT, settings
 
 BENCHMARK_MODULE = "linattn_tools.benchmark.model"
 MODEL_JSON = ROOT / "docs" / "benchmarks" / "model.json"

@@ -21,9 +21,10 @@ from typing import Dict, Sequence
 import torch
 
 from linattn.analysis.concentration import entropy, log_moments, spectral_gap
-from .common import settings, torch_threads
 from linattn.ops import lln_attention_weights, softmax_attention_weights
 from linattn.ops.moment_matching import PAPER_A, PAPER_B, exact_moment_table, fit_moment_constants, lln_alpha_beta
+
+from .common import settings, torch_threads
 
 METHODS = ("softmax", "lln_unmatched", "lln_paper", "lln_fit", "lln_exact")
 DEFAULTS, QUICK = settings("lln_distribution")

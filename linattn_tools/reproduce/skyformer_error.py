@@ -18,6 +18,7 @@ from typing import Dict, Sequence
 import torch
 
 from linattn.ops import kernelized_attention, skyformer_attention
+
 from .common import settings, torch_threads
 
 INPUTS = ("gaussian", "low_rank")

@@ -17,5 +17,9 @@ from .autograd import lavo_attention
 from .cross import lavo_cross_memory, lavo_cross_readout
 from .decode import lavo_decode_step, lavo_init_state
 from .inputs import lavo_init_bases
-from .reference import (lavo_attention_reference, lavo_attention_weights, lavo_cross_attention_reference,
-                        lavo_token_mixing)
+from .reference import (
+                        lavo_attention_reference,
+                        lavo_attention_weights,
+                        lavo_cross_attention_reference,
+                        lavo_token_mixing,
+)

@@ -5,8 +5,17 @@ import torch
 from torch import Tensor
 
 from .. import working_set
-from ..windows import (Group, bmm_rows, flat_heads, group_rows, rows_view, scaled_bmm, store_rows, window_groups,
-                       window_pairs)
+from ..windows import (
+    Group,
+    bmm_rows,
+    flat_heads,
+    group_rows,
+    rows_view,
+    scaled_bmm,
+    store_rows,
+    window_groups,
+    window_pairs,
+)
 
 
 class _Layout:

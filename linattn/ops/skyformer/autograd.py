@@ -7,8 +7,7 @@ from torch import Tensor
 from .. import working_set
 from ..kernelized.kernel import kernel_scale
 from ..precision import autocast_off
-from .nystrom import (GAMMA, _check_args, _kernel_input_grad, _kernel_inverse, _kernel_rows, _landmark_setup,
-                      _landmarks)
+from .nystrom import GAMMA, _check_args, _kernel_input_grad, _kernel_inverse, _kernel_rows, _landmark_setup, _landmarks
 
 
 class _NystromApply(torch.autograd.Function):

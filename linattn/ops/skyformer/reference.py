@@ -4,8 +4,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernelized.reference import kernelized_attention_reference
 from ..kernelized.kernel import kernel_scale
+from ..kernelized.reference import kernelized_attention_reference
 from ..masking import Rows, select_rows
 from .nystrom import GAMMA, _check_args, _kernel_inverse, _kernel_rows, _landmark_setup, _landmarks
 

@@ -8,7 +8,6 @@ from ...benchmark.fit import longest_n
 from ...recipes import paper_results as pr
 from .verdict import GiB, Verdict, cores, pct
 
-
 LINEAR_EXPONENT = 1.1  # "scales linearly": time exponent at most 1.1
 TIME_METHODS = ("lln", "lln_diag")
 NAMES = {"lln": "LLN", "lln_diag": "LLN+Diag"}

@@ -3,7 +3,6 @@ from typing import Dict, List
 
 from .verdict import Verdict, pct
 
-
 DIST_RANGE = (0.5, 2.0)  # per-side input variances the distribution tests use (softmax var ln P 0.25 ... 4)
 MATCH_TOLERANCE = 0.20   # "approximates": matched var ln P within 20 % of softmax's at every variance
 THEORY_TOLERANCE = 0.10  # "closely match": Prop. 3.1's mean and variance within 10 % of sigma⁴
