@@ -1,5 +1,6 @@
-"""``ATTENTION_CLASSES`` (registry name -> module class, by ``METHODS[name].module_class``) and
-``build_attention``."""
+"""``ATTENTION_CLASSES`` (registry name -> module class: ``METHODS[name].module_class`` in the file named for the
+method, ``modules/<name>.py``) and ``build_attention``."""
+import importlib
 from typing import Mapping, Union
 
 from linattn.config import AttentionConfig
@@ -7,15 +8,8 @@ from linattn.methods import METHODS, methods_for
 
 from .base import AttentionBase
 
-# every class a registry entry may name, looked up in this module's globals below
-from .kernelized import KernelizedAttention  # noqa: F401
-from .lavo import LAVOAttention  # noqa: F401
-from .lln import LLNAttention  # noqa: F401
-from .lln_diag import LLNDiagAttention  # noqa: F401
-from .skyformer import SkyformerAttention  # noqa: F401
-from .softmax import SoftmaxAttention  # noqa: F401
-
-ATTENTION_CLASSES = {name: globals()[method.module_class] for name, method in METHODS.items()}
+ATTENTION_CLASSES = {name: getattr(importlib.import_module(f"{__package__}.{name}"), method.module_class)
+                     for name, method in METHODS.items()}
 
 
 def build_attention(method: str, embed_dim: int, num_heads: int, *, causal: bool, dropout: float = 0.0,
