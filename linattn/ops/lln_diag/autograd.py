@@ -49,9 +49,11 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     """q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); linear in N for a fixed block_size.
 
     ``average`` runs both parts in one op (``_LLNDiagAverage``: one output, one set of gradients);
-    the learnable mixes combine the two ops' outputs.
+    the learnable mixes, and learnt (gradient-requiring) alpha, beta, combine the two ops' outputs (the fused
+    op folds learnt scales into q and k, which its block softmax must not see).
     """
-    if mix == "average":
+    learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
+    if mix == "average" and not learnt:
         return _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size)
     lln = lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask,
                         chunk_size=chunk_size)
