@@ -77,11 +77,13 @@ class AttentionConfig:
     lln_beta: Optional[float] = option(None, "fixed LLN beta (see --lln-alpha)", check=_optional_positive)
     lln_constants_file: Optional[str] = option(None, "JSON with the a, b constants for --lln-moment-matching fit")
     lln_stats: str = option(
-        "auto", "statistics for moment matching: batch (current batch; encoder default), ema (running average "
-        "from earlier batches; decoder default, the only causal-safe choice), auto",
+        "auto", "statistics for moment matching: batch (current batch in training, their running average in eval; "
+        "encoder default), ema (running average from earlier batches; decoder default, the only causal-safe "
+        "choice), auto",
         choices=("auto", "batch", "ema"))
     lln_stats_per_head: bool = option(False, "moment matching per head, not per layer")
-    lln_ema_momentum: float = option(0.99, "EMA momentum for --lln-stats ema", check=_unit_interval)
+    lln_ema_momentum: float = option(0.99, "EMA momentum for --lln-stats ema and batch's eval statistics",
+                                    check=_unit_interval)
     lln_max_scale: float = option(8.0, "upper clamp for alpha and beta", check=_optional_positive)
     lln_chunk_size: int = option(64, "chunk size of causal LLN", check=_positive_int)
     # -- LLN+Diag

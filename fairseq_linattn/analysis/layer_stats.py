@@ -78,6 +78,8 @@ def sequence_statistics(module, q: Tensor, k: Tensor, key_padding_mask: Optional
     qb, kb = q[b:b + 1], k[b:b + 1]
     if lln is None:
         lln = module.lln_parameters(q, k, key_padding_mask)  # None for methods without alpha, beta
+    if lln is not None and torch.as_tensor(lln["alpha"]).dim() == 2:  # per-sequence statistics: sequence b's
+        lln = {name: value[b] for name, value in lln.items()}
     rows = tokens if n <= max_rows else tokens[torch.linspace(0, n - 1, max_rows, device=q.device).round().long()]
     P = module.attention_rows(qb, kb, key_padding_mask=kpm, rows=rows, lln=lln)[0][:, :, tokens]  # (H, R, n)
     chain = tokens[:max_chain]

@@ -186,7 +186,7 @@ class AttentionBase(nn.Module):
 
         A stock fairseq MultiheadAttention checkpoint has only q/k/v/out_proj: loading it into any of
         our methods (``--finetune-from-model``, ``--restore-file``) keeps those and starts LAVO's bases
-        and bias, LLN+Diag's mix weights and LLN's EMA statistics fresh. fairseq calls this before its
+        and bias, LLN+Diag's mix weights and LLN's EMA or running statistics fresh. fairseq calls this before its
         strict ``load_state_dict``.
         """
         prefix = name + "." if name else ""

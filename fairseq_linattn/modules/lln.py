@@ -47,28 +47,26 @@ class LLNAttention(AttentionBase):
 
     @torch.no_grad()
     def lln_parameters(self, q, k, key_padding_mask=None):
-        """alpha, beta (shape (G,), G = H per head or 1 per layer) that the next forward on q, k would use,
-        with sigma_q, sigma_k and tau (LLN eq. 11); float64.
+        """alpha, beta (shape (G,), G = H per head or 1 per layer; (B, G) for per-sequence statistics) that
+        the next forward on q, k would use, with sigma_q, sigma_k and tau (LLN eq. 11); float64.
 
-        The matcher runs in eval mode, so its EMA buffers are not updated (an EMA forward in training
-        also uses the buffers from before its batch, so the values are the same); the matcher's
-        ``last_*`` logging values are restored afterwards. Batch statistics are not all-reduced.
+        The matcher peeks: no buffer is updated and batch statistics are not all-reduced; its ``last_*``
+        logging values are restored afterwards.
         """
         names = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
-        saved, was_training = {n: getattr(self.matcher, n) for n in names}, self.matcher.training
-        self.matcher.train(False)
+        saved = {n: getattr(self.matcher, n) for n in names}
         try:
-            self.matcher(q, k, key_padding_mask)
+            self.matcher(q, k, key_padding_mask, peek=True)
             return {n[len("last_"):]: getattr(self.matcher, n) for n in names}
         finally:
-            self.matcher.train(was_training)
             for n, value in saved.items():
                 setattr(self.matcher, n, value)
 
     def _alpha_beta(self, q, k, key_padding_mask, lln):
-        """(alpha, beta) as (1, G, 1, 1) tensors from ``lln`` or, if None, ``lln_parameters``."""
+        """(alpha, beta) as (1, G, 1, 1) (or (B, G, 1, 1)) tensors from ``lln`` or, if None, ``lln_parameters``."""
         lln = self.lln_parameters(q, k, key_padding_mask) if lln is None else lln
-        return (torch.as_tensor(lln[name]).reshape(1, -1, 1, 1) for name in ("alpha", "beta"))
+        values = [torch.as_tensor(lln[name]) for name in ("alpha", "beta")]
+        return (x.reshape(x.shape[0] if x.dim() == 2 else 1, -1, 1, 1) for x in values)
 
     def reference(self, q, k, v, key_padding_mask=None):
         alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)

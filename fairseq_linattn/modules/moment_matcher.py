@@ -4,6 +4,7 @@ this module keeps the state (EMA buffers), the train/eval behaviour and the all-
 """
 import contextlib
 import contextvars
+import logging
 import math
 from typing import Optional, Tuple
 
@@ -27,6 +28,7 @@ from linattn.ops.moment_matching import (
 )
 
 _F64 = torch.float64
+logger = logging.getLogger(__name__)
 _STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
 
 
@@ -48,8 +50,12 @@ class MomentMatcher(nn.Module):
     """The moment-matching hook: (q, k) -> (alpha, beta) for ``lln_attention`` (docs/design.md §3.1).
 
     mode: paper | fit | exact | off. a, b: Prop. 4.1 constants (default: the paper's; for ``fit``
-    read from ``constants_file`` unless given). stats: ``batch`` (the current batch, the authors'
-    choice for encoders) or ``ema`` (buffers ``ema_var_q``, ``ema_var_k`` initialised to 1: a forward
+    read from ``constants_file`` unless given). stats: ``batch`` (in training the current batch, the
+    authors' choice for encoders, also folded into running statistics ``running_var_q``,
+    ``running_var_k`` as batch normalisation does, with ``running_batches`` the batches folded in; eval
+    uses the frozen running statistics, or each sequence's own statistics while none were folded in,
+    so that eval never depends on the other sequences of a batch) or ``ema`` (buffers ``ema_var_q``,
+    ``ema_var_k`` initialised to 1: a forward
     uses the value from before its batch and then, in training only, folds the batch in as
     ema <- ema_momentum * ema + (1 - ema_momentum) * batch, so a causal output never depends on
     future tokens or other sequences; eval uses the frozen buffers). per_head: statistics and
@@ -105,6 +111,10 @@ class MomentMatcher(nn.Module):
         if stats == "ema":
             self.register_buffer("ema_var_q", torch.ones(groups))
             self.register_buffer("ema_var_k", torch.ones(groups))
+        else:  # eval's statistics; a checkpoint without them gets these values, running_batches = 0
+            self.register_buffer("running_var_q", torch.ones(groups))
+            self.register_buffer("running_var_k", torch.ones(groups))
+            self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
         self.last_sigma_q = self.last_sigma_k = self.last_alpha = self.last_beta = self.last_tau = None
 
     def extra_repr(self) -> str:
@@ -114,30 +124,33 @@ class MomentMatcher(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # .half()/.bfloat16() would round the EMA's 1 % updates away: keep its buffers float32
         super()._apply(fn, *args, **kwargs)
-        for name in ("ema_var_q", "ema_var_k"):
+        for name in ("ema_var_q", "ema_var_k", "running_var_q", "running_var_k"):
             buf = getattr(self, name, None)
             if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
                 setattr(self, name, buf.float())
         return self
 
-    def _batch_variances(self, q: Tensor, k: Tensor,
-                         key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-        """Variances of q and k entries over non-padded tokens and their count, each (G,); all-reduced in
-        training, where a forward inside ``statistics_left_out`` adds nothing (variances 1 for no tokens)."""
-        dims = (0, 2, 3) if self.per_head else (0, 1, 2, 3)
+    def _batch_variances(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], reduce: bool,
+                         per_sequence: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+        """Variances of q and k entries over non-padded tokens and their count, each (G,), or (B, G) for
+        ``per_sequence``; with ``reduce`` (training) all-reduced, and a forward inside ``statistics_left_out``
+        adds nothing (variances 1 for no tokens)."""
+        dims = (2, 3) if self.per_head else (1, 2, 3)
+        dims, shape = (dims, (q.shape[0], -1)) if per_sequence else ((0,) + dims, (-1,))
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
         moments = []
         for x in (q, k):
             x = x.detach().to(_F64)
             xw = x if keep is None else x * keep
-            moments += [xw.sum(dims).reshape(-1), (xw * x).sum(dims).reshape(-1)]
-        tokens = q.shape[0] * q.shape[2] if keep is None else keep.sum()
-        count = _as_f64(tokens, q.device) * q.shape[3] * (1 if self.per_head else q.shape[1])
+            moments += [xw.sum(dims).reshape(shape), (xw * x).sum(dims).reshape(shape)]
+        tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2, 3))
+        tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
+        count = tokens * q.shape[3] * (1 if self.per_head else q.shape[1])
         moments.append(count.expand_as(moments[0]))
-        moments = torch.stack(moments)  # (5, G): sum q, sum q², sum k, sum k², count
-        if self.training and _STATISTICS_LEFT_OUT.get():
+        moments = torch.stack(moments)  # (5, G) or (5, B, G): sum q, sum q², sum k, sum k², count
+        if reduce and _STATISTICS_LEFT_OUT.get():
             moments = torch.zeros_like(moments)  # a dummy batch: joins the all-reduce with nothing
-        if self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(moments)
         count = moments[4]
         n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
@@ -158,13 +171,16 @@ class MomentMatcher(nn.Module):
         var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
         self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma_q, sigma_k, alpha, beta
         self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
-        shape = (1, -1, 1, 1)
+        shape = (sigma_q.shape[0] if sigma_q.dim() == 2 else 1, -1, 1, 1)  # (B, G) per sequence
         return alpha.to(compute_dtype(like)).view(shape), beta.to(compute_dtype(like)).view(shape)
 
-    def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """q, k (B, H, N, D) -> alpha, beta of shape (1, H, 1, 1) per head or (1, 1, 1, 1) per layer.
+    def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, *,
+                peek: bool = False) -> Tuple[Tensor, Tensor]:
+        """q, k (B, H, N, D) -> alpha, beta of shape (1, H, 1, 1) per head or (1, 1, 1, 1) per layer;
+        (B, H or 1, 1, 1) with per-sequence statistics (``batch`` in eval before any running statistics).
 
         key_padding_mask (B, N), True = padding, masks the tokens of both q and k (self-attention).
+        peek: the values this forward would use, with no buffer updated and nothing all-reduced.
         """
         for name, x in (("q", q), ("k", k)):
             if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
@@ -177,27 +193,48 @@ class MomentMatcher(nn.Module):
         if key_padding_mask is not None and q.shape[2] != k.shape[2]:
             raise ValueError(f"key_padding_mask masks the tokens of q and k, which must then have the same "
                              f"length, got {q.shape[2]} and {k.shape[2]}")
-        trained_on = self.training and torch.is_grad_enabled()
+        trained_on = self.training and torch.is_grad_enabled() and not peek
         with torch.no_grad():  # alpha, beta are constants for autograd
-            return self._statistics(q, k, key_padding_mask, trained_on)
+            return self._statistics(q, k, key_padding_mask, trained_on, reduce=self.training and not peek)
 
-    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
+    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool,
+                    reduce: bool):
         if self.stats == "batch":
-            return self._match(*self._batch_variances(q, k, key_padding_mask)[:2], like=q)
+            if self.training:
+                var_q, var_k, count = self._batch_variances(q, k, key_padding_mask, reduce)
+                if trained_on:
+                    self._fold(var_q, var_k, count, self.running_var_q, self.running_var_k)
+                return self._match(var_q, var_k, like=q)
+            if self.running_batches > 0:
+                return self._match(self.running_var_q, self.running_var_k, like=q)
+            if not getattr(MomentMatcher, "_warned", False):
+                MomentMatcher._warned = True
+                logger.warning("an LLN layer with batch statistics has no running statistics (a model not "
+                               "trained yet, or a checkpoint saved before they were kept): eval uses each "
+                               "sequence's own statistics until a training update folds the batches in")
+            return self._match(*self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[:2], like=q)
         var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            batch_q, batch_k, count = self._batch_variances(q, k, key_padding_mask)
-            # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
-            # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
-            # nor is one without tokens (every rank on a dummy batch)
-            finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
-            m = self.ema_momentum
-            for buf, batch in ((self.ema_var_q, batch_q), (self.ema_var_k, batch_k)):
-                old = buf.to(_F64)
-                buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
+            self._fold(*self._batch_variances(q, k, key_padding_mask, reduce), self.ema_var_q, self.ema_var_k)
         return self._match(var_q, var_k, like=q)
+
+    def _fold(self, batch_q: Tensor, batch_k: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
+        """buf <- m buf + (1 - m) batch; ``batch`` stats: the running statistics' first batches are averaged
+        with equal weights (weight 1 / (n + 1) for the (n + 1)-th while it exceeds 1 - m), so that the
+        initial 1 leaves no trace."""
+        # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
+        # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
+        # nor is one without tokens (every rank on a dummy batch)
+        finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
+        m = self.ema_momentum
+        if self.stats == "batch":
+            m = torch.clamp(1 - 1 / (self.running_batches.to(_F64) + 1), max=m)
+            self.running_batches.add_(finite.all().long())
+        for buf, batch in ((buf_q, batch_q), (buf_k, batch_k)):
+            old = buf.to(_F64)
+            buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
 
     @torch.no_grad()
     def current(self, like: Tensor) -> Tuple[Tensor, Tensor]:
