@@ -3,8 +3,9 @@
 ``new_empty`` tensor with NaN, so an unwritten buffer that is read shows as a NaN output or gradient and the
 comparison with the reference fails. (Without it an unwritten buffer often holds zeros or old values that pass.)
 
-Left out here (they run in the ordinary run): the gradchecks (minutes of finite differences on the same code
-paths) and Skyformer's spectral-error sweep (a statistical accuracy check, half of this run's time). No op
+Left out here (they run in the ordinary run; ``pytest --fill-uninitialized tests/test_lln.py ...`` runs them
+too): the gradchecks (finite differences on the same code paths: ~25 s more than this run's ~8 s on a free
+machine) and Skyformer's spectral-error sweep (a statistical accuracy check). No op
 needs an exemption: none calls a kernel that deterministic mode refuses on CPU. The tests that remain
 compare values and gradients with the references in one and in many working-set passes
 (``WORK_ELEMENTS`` monkeypatched), which reaches every scratch buffer."""
