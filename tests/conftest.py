@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -46,3 +48,22 @@ def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e
     g = torch.randn(out.shape, generator=generator, dtype=out.dtype)
     for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+# -- uninitialised memory: ``--fill-uninitialized`` (or LINATTN_FILL_UNINITIALIZED=1) turns on, for the whole
+# session, torch's deterministic mode with ``fill_uninitialized_memory``: every tensor made by ``empty`` /
+# ``new_empty`` starts as NaN (integers: their largest value), so a read of a buffer no op has written shows
+# as a NaN output or gradient (tests/test_uninitialized_memory.py runs the op tests this way).
+FILL_ENV = "LINATTN_FILL_UNINITIALIZED"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fill-uninitialized", action="store_true", default=False,
+                     help="torch.use_deterministic_algorithms(True) with fill_uninitialized_memory: new empty "
+                          f"tensors hold NaN (also set by {FILL_ENV}=1)")
+
+
+def pytest_configure(config):
+    if config.getoption("--fill-uninitialized") or os.environ.get(FILL_ENV) == "1":
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
