@@ -175,3 +175,13 @@ def test_beam_search_projects_the_lavo_cross_attention_source_once(translation, 
         hypos = generator.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
     assert len(hypos) == 3 and all(len(h) == 4 for h in hypos)
     assert calls == {"k_proj": 0, "v_proj": len(model.decoder.layers)}
+
+
+def test_every_layer_of_an_encoder_decoder_gets_the_attention_its_options_name(translation, gen):
+    from fairseq_linattn.modules import ATTENTION_CLASSES
+
+    _, model = translation(gen, decoder_type="lln_diag")
+    assert all(type(layer.self_attn) is ATTENTION_CLASSES["lln"] for layer in model.encoder.layers)
+    for layer in model.decoder.layers:
+        assert type(layer.self_attn) is ATTENTION_CLASSES["lln_diag"] and layer.self_attn.causal
+        assert type(layer.encoder_attn) is ATTENTION_CLASSES["lavo"] and layer.encoder_attn.cross

@@ -126,3 +126,13 @@ def test_linattn_lm_s_own_architecture_validates_when_its_model_is_built():
     args = options(arch="linattn_lm", decoder_layers=2, decoder_attention_type="skyformer")
     with pytest.raises(ValueError, match="non-causal"):
         LinAttnLanguageModel.build_model(args, task=None)
+
+
+def test_per_layer_types_are_checked_against_the_model_s_layer_counts():
+    from fairseq_linattn.options import check_attention_options
+
+    with pytest.raises(ValueError, match="got 3 types .* for 2 layers"):
+        check_attention_options(options(encoder_attention_type="softmax,lln,lln"), encoder_layers=2)
+    with pytest.raises(ValueError, match="got 2 types .* for 3 layers"):
+        check_attention_options(options(decoder_attention_type="softmax,lln"), decoder_layers=3)
+    assert check_attention_options(options(encoder_attention_type="softmax,lln"), encoder_layers=2)

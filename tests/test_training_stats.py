@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from fairseq_linattn.analysis.module_matrix import module_attention_matrix
-from fairseq_linattn.analysis.training_stats import collect_attention_stats, install_attention_stats, layer_label
+from fairseq_linattn.analysis.training_stats import (RECORDER_NAME, collect_attention_stats, install_attention_stats,
+                                                      layer_label)
 from linattn.analysis import entropy, spectral_gap
 
 VOCAB = 40
@@ -110,6 +111,15 @@ def test_hooks_change_neither_outputs_nor_gradients(tmp_path, gen):
     assert set(collect_attention_stats(model)) >= {"attn_dec0_entropy", "attn_dec1_spectral_gap", "attn_dec0_alpha"}
     assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
     assert set(model.state_dict()) == set(reference)  # checkpoints are unchanged
+
+
+def test_a_model_built_with_an_interval_gets_the_recorder_and_without_one_none(tmp_path):
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    _, model = build_lm(tmp_path / "on", "lln", "--attention-stats-interval", "3")
+    assert hasattr(model, RECORDER_NAME)
+    _, model = build_lm(tmp_path / "off", "lln")
+    assert not hasattr(model, RECORDER_NAME)
 
 
 def test_interval_zero_installs_nothing_and_bad_values_are_rejected(tmp_path):
