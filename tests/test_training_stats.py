@@ -3,8 +3,12 @@ import pytest
 import torch
 
 from fairseq_linattn.analysis.module_matrix import module_attention_matrix
-from fairseq_linattn.analysis.training_stats import (RECORDER_NAME, collect_attention_stats, install_attention_stats,
-                                                      layer_label)
+from fairseq_linattn.analysis.training_stats import (
+    RECORDER_NAME,
+    collect_attention_stats,
+    install_attention_stats,
+    layer_label,
+)
 from linattn.analysis import entropy, spectral_gap
 
 VOCAB = 40
