@@ -85,7 +85,9 @@ def test_training_keeps_the_batch_statistics_and_eval_reads_the_running_ones(met
     assert matcher.running_batches.item() == 3
     module.eval()
     module(xs[0], xs[0], xs[0])
-    torch.testing.assert_close(matcher.last_sigma_q, matcher.running_var_q.double().sqrt(), rtol=1e-12, atol=0)
+    # every sequence of the batch gets the running statistics (chosen on the device, so shaped (B, G))
+    running = matcher.running_var_q.double().sqrt().expand_as(matcher.last_sigma_q)
+    torch.testing.assert_close(matcher.last_sigma_q, running, rtol=1e-12, atol=0)
 
 
 def test_a_checkpoint_without_running_statistics_loads_and_evaluates_each_sequence_alone(gen):

@@ -4,7 +4,6 @@ this module keeps the state (EMA buffers), the train/eval behaviour and the all-
 """
 import contextlib
 import contextvars
-import logging
 import math
 from typing import Optional, Tuple
 
@@ -28,7 +27,6 @@ from linattn.ops.moment_matching import (
 )
 
 _F64 = torch.float64
-logger = logging.getLogger(__name__)
 _STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
 
 
@@ -205,14 +203,13 @@ class MomentMatcher(nn.Module):
                 if trained_on:
                     self._fold(var_q, var_k, count, self.running_var_q, self.running_var_k)
                 return self._match(var_q, var_k, like=q)
-            if self.running_batches > 0:
-                return self._match(self.running_var_q, self.running_var_k, like=q)
-            if not getattr(MomentMatcher, "_warned", False):
-                MomentMatcher._warned = True
-                logger.warning("an LLN layer with batch statistics has no running statistics (a model not "
-                               "trained yet, or a checkpoint saved before they were kept): eval uses each "
-                               "sequence's own statistics until a training update folds the batches in")
-            return self._match(*self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[:2], like=q)
+            # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
+            # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
+            # Chosen on the device, with no host sync: (B, G) either way
+            own_q, own_k = self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[:2]
+            seen = self.running_batches > 0
+            return self._match(torch.where(seen, self.running_var_q.to(_F64), own_q),
+                               torch.where(seen, self.running_var_k.to(_F64), own_k), like=q)
         var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
