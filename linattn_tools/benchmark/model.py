@@ -121,7 +121,8 @@ def _to(sample, device):
 def fill_state(attn, state: dict, context: int) -> None:
     """Make a decoder layer's incremental state look as after ``context`` tokens (see the module doc)."""
     buf = attn._get_input_buffer(state)
-    if "prev_key" in buf:  # a key/value cache (softmax): ``context`` random keys and values
+    if "prev_key" in buf and "mem_count" not in buf:  # a key/value cache that grows with the context
+        # (softmax): ``context`` random keys and values; LAVO's prev_key is its fixed window, handled below
         b, h, _, d = buf["prev_key"].shape
         kv = dict(dtype=buf["prev_key"].dtype, device=buf["prev_key"].device)
         buf["prev_key"], buf["prev_value"] = torch.randn(b, h, context, d, **kv), torch.randn(b, h, context, d, **kv)
