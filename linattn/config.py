@@ -65,6 +65,11 @@ class AttentionConfig:
         choices=tuple(methods_for("cross")))
     attention_stats_interval: int = option(0, "log attention entropy / spectral gap every K updates (0 = off)",
                                            check=_non_negative_int)
+    attention_impl: str = option(
+        "auto", "execution form of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
+        "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU form); auto = looped on the CPU, "
+        "parallel on any other device",
+        choices=("auto", "parallel", "looped"))
     # -- LLN and LLN+Diag
     lln_moment_matching: str = option(
         "paper", "how LLN sets alpha, beta (LLN §4.1): paper = published a, b; fit = a, b from "

@@ -165,6 +165,10 @@ def test_lln_rejects_bad_input():
         ops.lln_attention(q, q, q, 0.0, 1.0)
     with pytest.raises(ValueError, match="beta must be finite and > 0"):
         ops.lln_attention(q, q, q, 1.0, -2.0)
+    with pytest.raises(RuntimeError, match="alpha must be finite and > 0"):  # a tensor: checked on its device
+        ops.lln_attention(q, q, q, torch.tensor([float("nan")]), 1.0)
+    with pytest.raises(RuntimeError, match="beta must be finite and > 0"):
+        ops.lln_attention(q, q, q, 1.0, torch.tensor(-1.0))
     with pytest.raises(ValueError, match="alpha must be broadcastable"):
         ops.lln_attention(q, q, q, torch.ones(3), 1.0)
     with pytest.raises(ValueError, match="same length"):

@@ -13,7 +13,8 @@ class KernelizedAttention(AttentionBase):
     is_kernel_method = True
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
-        return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask)
+        return ops.kernelized_attention(q, k, v, key_padding_mask=key_padding_mask,
+                                        impl=self.config.attention_impl)
 
     def reference(self, q, k, v, key_padding_mask=None):
         return ops.kernelized_attention_reference(q, k, v, key_padding_mask=key_padding_mask)

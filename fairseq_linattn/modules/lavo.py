@@ -31,7 +31,7 @@ class LAVOAttention(AttentionBase):
         if self.cross:
             return self.attend_source(q, self.source_state(v, key_padding_mask))
         return ops.lavo_attention(q, k, v, self.bases, self.pos_bias, window=self.window, causal=self.causal,
-                                  key_padding_mask=key_padding_mask)
+                                  key_padding_mask=key_padding_mask, impl=self.config.attention_impl)
 
     def source_state(self, v, key_padding_mask):
         """The source memory (LAVO eq. 3): mean (B, H, r) of B v_j over real source tokens, and their count (B,)."""

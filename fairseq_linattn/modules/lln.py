@@ -26,7 +26,7 @@ class LLNAttention(AttentionBase):
     def lln(self, q, k, v, key_padding_mask):
         alpha, beta = self.matcher(q, k, key_padding_mask)
         return ops.lln_attention(q, k, v, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,
-                                 chunk_size=self.chunk_size)
+                                 chunk_size=self.chunk_size, impl=self.config.attention_impl)
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return self.lln(q, k, v, key_padding_mask)

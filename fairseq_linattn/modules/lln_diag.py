@@ -25,7 +25,7 @@ class LLNDiagAttention(LLNAttention):
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         lln = self.lln(q, k, v, key_padding_mask)
         diag = ops.block_softmax_attention(q, k, v, block_size=self.block_size, causal=self.causal,
-                                           key_padding_mask=key_padding_mask)
+                                           key_padding_mask=key_padding_mask, impl=self.config.attention_impl)
         return mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
 
     def step(self, q, k, v, key_padding_mask, state):

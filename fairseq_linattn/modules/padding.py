@@ -9,8 +9,10 @@ from linattn import ops
 
 
 def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """(B, N) order putting each row's real tokens first (in their order), or None if they already are."""
-    if key_padding_mask is None or not bool((key_padding_mask[:, :-1] & ~key_padding_mask[:, 1:]).any()):
+    """(B, N) order putting each row's real tokens first (in their order), or None without a mask. Computed
+    whenever there is a mask (the identity where the real tokens already come first): whether a row needs it
+    is a tensor value, and branching on it would be a host sync."""
+    if key_padding_mask is None:
         return None
     return torch.sort(key_padding_mask.to(torch.uint8), dim=1, stable=True).indices
 

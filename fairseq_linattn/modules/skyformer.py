@@ -21,7 +21,7 @@ class SkyformerAttention(AttentionBase):
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
                                        mode=self.landmark_mode, exact_inverse=self.exact_inverse,
-                                       training=self.training)
+                                       training=self.training, impl=self.config.attention_impl)
 
     def reference(self, q, k, v, key_padding_mask=None):
         """The materialised Nyström kernel C_Q M^-1 C_K^T (Skyformer §4.2, eval landmarks) times v: ``attend`` in

@@ -30,7 +30,7 @@ class SoftmaxAttention(AttentionBase):
                                                                                      device=k.device)
         if "prev_key_padding_mask" in state:
             mask = torch.cat([state["prev_key_padding_mask"], mask], 1)
-        out = ops.softmax_attention(q, k, v, key_padding_mask=mask if mask.any() else None)
+        out = ops.softmax_attention(q, k, v, key_padding_mask=mask)
         return out, {"prev_key": k, "prev_value": v, "prev_key_padding_mask": mask}
 
     def reference(self, q, k, v, key_padding_mask=None):

@@ -1,5 +1,6 @@
 """Argument checks shared by the ops: q, k, v (B,H,N,D), key padding masks (B,S), positive ints and scales.
 Every error names the argument and what was expected."""
+import math
 from typing import Optional
 
 import torch
@@ -53,7 +54,8 @@ def check_positive_int(name: str, value) -> int:
 
 
 def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
-    """A float or a tensor broadcastable to (B, H, 1, 1), all > 0; returned as a float32 tensor on q's device."""
+    """A float or a tensor broadcastable to (B, H, 1, 1), all finite and > 0 (a tensor's values checked on its device,
+    with ``torch._assert_async``: no host sync); returned as a float32 tensor on q's device."""
     t = torch.as_tensor(value, dtype=torch.float32 if q.dtype != torch.float64 else torch.float64, device=q.device)
     if t.dim() > 4:
         raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
@@ -65,6 +67,9 @@ def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
                          f"got shape {tuple(t.shape)}") from None
     if t4.shape[-1] != 1 or t4.shape[-2] != 1:
         raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
-    if not bool(torch.all(t4 > 0)) or not bool(torch.all(torch.isfinite(t4))):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    if not isinstance(value, Tensor):
+        if not (math.isfinite(float(value)) and float(value) > 0):  # a Python number: checked on the host
+            raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    else:  # checked on the device, no host sync (RuntimeError with this text)
+        torch._assert_async(((t4 > 0) & torch.isfinite(t4)).all(), f"{name} must be finite and > 0")
     return t4

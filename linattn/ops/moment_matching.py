@@ -34,6 +34,9 @@ _F64 = torch.float64
 
 
 def _as_f64(x, device=None) -> Tensor:
+    """float64 tensor; a Python number on the CPU (not on a default device such as meta: it is read back)."""
+    if device is None and not isinstance(x, Tensor):
+        device = "cpu"
     return torch.as_tensor(x, dtype=_F64, device=device)
 
 

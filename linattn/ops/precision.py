@@ -20,6 +20,8 @@ def autocast_off(op):
     @functools.wraps(op)
     def run(q, *args, **kwargs):
         device_type = q.device.type if isinstance(q, Tensor) else "cpu"
+        if not torch.amp.is_autocast_available(device_type):  # the meta device: no autocast to turn off
+            return op(q, *args, **kwargs)
         with torch.autocast(device_type=device_type, enabled=False):
             return op(q, *args, **kwargs)
 

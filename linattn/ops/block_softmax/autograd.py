@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..forms import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..precision import autocast_off, compute_dtype
 from .looped import block_valid, blocks_backward_, blocks_forward_
@@ -31,7 +32,7 @@ class _BlockSoftmax(torch.autograd.Function):
 
 @autocast_off
 def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64, causal: bool = False,
-                            key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                            key_padding_mask: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
     """Tokens [m*bs, (m+1)*bs) attend to keys of their own block only; a shorter last block.
 
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). Padded keys are masked inside blocks; causal adds
@@ -39,6 +40,7 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
     the inputs it holds the output, the gradients and working-size temporaries (``_BlockSoftmax``).
     """
     check_qkv(q, k, v)
+    resolve_impl(impl, q.device)
     block_size = check_positive_int("block_size", block_size)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     n = q.shape[2]

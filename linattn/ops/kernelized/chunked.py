@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..forms import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..precision import autocast_off
 from .kernel import _exact_kernel, _prepare, check_non_causal
@@ -11,7 +12,8 @@ from .kernel import _exact_kernel, _prepare, check_non_causal
 
 @autocast_off
 def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
-                         causal: bool = False, chunk_size: int = 1024) -> Tensor:
+                         causal: bool = False, chunk_size: int = 1024,
+                         impl: str = "auto") -> Tensor:
     """out = C V, C_ij = exp(q_i·k_j - |q_i|²/2 - |k_j|²/2) on q, k scaled by D^(-1/4).
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Exact (quadratic by nature); computed in
@@ -22,6 +24,7 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: O
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     chunk_size = check_positive_int("chunk_size", chunk_size)
+    resolve_impl(impl, q.device)
     qs, ks, v = _prepare(q, k, v, key_padding_mask)
     out = [_exact_kernel(qc, ks, key_padding_mask) @ v for qc in qs.split(chunk_size, dim=2)]
     return torch.cat(out, dim=2).to(q.dtype)

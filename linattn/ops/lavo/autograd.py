@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..forms import resolve_impl
 from ..precision import autocast_off, compute_dtype
 from ..windows import bmm_rows, flat_heads, group_rows, rows_view, store_rows
 from .inputs import _check_lavo
@@ -107,7 +108,7 @@ class _LAVO(torch.autograd.Function):
 
 @autocast_off
 def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *, window: int = 64,
-                   causal: bool = True, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                   causal: bool = True, key_padding_mask: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
     """LAVO self-attention in O(N (w + r)) time and memory (no N×N matrix).
 
     q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D). Causal local attention uses
@@ -116,6 +117,7 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     holds the output, the gradients and working-size temporaries (see ``_LAVO``).
     """
     w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
+    resolve_impl(impl, q.device)
     b, n = q.shape[0], q.shape[2]
     ct = compute_dtype(q)
     nw = -(-n // w)

@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..forms import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_positive_scale, check_qkv
 from ..precision import autocast_off, compute_dtype
 from .looped import _causal_backward, _causal_forward, _noncausal_backward, _noncausal_forward
@@ -52,7 +53,7 @@ def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool):
 
 @autocast_off
 def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool = False,
-                  key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64) -> Tensor:
+                  key_padding_mask: Optional[Tensor] = None, chunk_size: int = 64, impl: str = "auto") -> Tensor:
     """LLN attention in O(N D Dv) time (non-causal) or chunked O(N C D + (N/C) D Dv) (causal).
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv); alpha, beta > 0, floats or tensors
@@ -62,5 +63,6 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
     chunk_size = check_positive_int("chunk_size", chunk_size)
+    resolve_impl(impl, q.device)
     args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)
     return _LLN.apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)

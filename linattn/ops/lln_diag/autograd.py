@@ -6,6 +6,7 @@ from torch import Tensor
 
 from ..block_softmax.autograd import block_softmax_attention
 from ..block_softmax.looped import block_valid, blocks_backward_, blocks_forward_
+from ..forms import resolve_impl
 from ..inputs import check_positive_int
 from ..lln.autograd import lln_attention, lln_inputs
 from ..lln.looped import _causal_backward, _causal_forward, _noncausal_backward, _noncausal_forward
@@ -45,7 +46,7 @@ class _LLNDiagAverage(torch.autograd.Function):
 def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_size: int = 64,
                        causal: bool = False, key_padding_mask: Optional[Tensor] = None,
                        chunk_size: int = 64, mix: str = "average", r: Optional[Tensor] = None,
-                       p: Optional[Tensor] = None) -> Tensor:
+                       p: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
     """q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); linear in N for a fixed block_size.
 
     ``average`` runs both parts in one op (``_LLNDiagAverage``: one output, one set of gradients);
@@ -54,16 +55,17 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     """
     learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
     if mix == "average" and not learnt:
-        return _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size)
+        return _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size, impl)
     lln = lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask,
-                        chunk_size=chunk_size)
+                        chunk_size=chunk_size, impl=impl)
     diag = block_softmax_attention(q, k, v, block_size=block_size, causal=causal,
-                                   key_padding_mask=key_padding_mask)
+                                   key_padding_mask=key_padding_mask, impl=impl)
     return mix_lln_diag(lln, diag, mix, r, p)
 
 
 @autocast_off
-def _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size) -> Tensor:
+def _lln_diag_average(q, k, v, alpha, beta, block_size, causal, key_padding_mask, chunk_size, impl) -> Tensor:
+    resolve_impl(impl, q.device)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     block_size = check_positive_int("block_size", block_size)
     args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal)

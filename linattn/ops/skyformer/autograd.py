@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from .. import working_set
+from ..forms import resolve_impl
 from ..kernelized.kernel import kernel_scale
 from ..precision import autocast_off
 from .nystrom import GAMMA, _check_args, _kernel_input_grad, _kernel_inverse, _kernel_rows, _landmark_setup, _landmarks
@@ -85,13 +86,15 @@ class _NystromApply(torch.autograd.Function):
 def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int = 128,
                         key_padding_mask: Optional[Tensor] = None, mode: str = "stratified",
                         generator: Optional[torch.Generator] = None, exact_inverse: bool = False,
-                        training: bool = True, causal: bool = False, gamma: float = GAMMA) -> Tensor:
+                        training: bool = True, causal: bool = False, gamma: float = GAMMA,
+                        impl: str = "auto") -> Tensor:
     """out = C_Q ((C_K M^-1)^T V) (Skyformer eq. 6), never forming an N×N matrix.
 
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). ``exact_inverse`` uses pinv(M) instead of the iteration.
     Half inputs compute in float32 (the iteration needs it) and return the input dtype.
     """
     key_padding_mask = _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma)
+    resolve_impl(impl, q.device)
     q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
     out = _NystromApply.apply(q_, k_, v.to(q_.dtype), idx, used, key_padding_mask, gamma, exact_inverse)

@@ -1,0 +1,97 @@
+"""The GPU shape of one module training step, measured on any device: launched ATen ops and host syncs per
+step at two lengths (the op budget compares them), bytes saved for backward in bf16 against softmax's.
+
+    python -m linattn_tools.benchmark.gpu_shape [--impl parallel] [--lengths 2048 8192] [--json F]
+
+One step: ``build_attention(method, 768, 12)``, B = 2 with the second sequence's last eighth padded,
+forward + backward, default options (docs/benchmarks.md, "GPU shape").
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from fairseq_linattn.modules.build import build_attention
+from linattn.methods import METHODS, methods_for
+from linattn.profiling import count_dispatch, saved_bytes
+
+ROLES = {"encoder": False, "decoder": True}
+
+
+def module_step_inputs(n: int, dtype=torch.float32, device="cpu", embed_dim: int = 768, batch: int = 2):
+    """x (N, B, C) requiring grad and a (B, N) padding mask: the last sequence's last eighth padded."""
+    x = torch.randn(n, batch, embed_dim, dtype=dtype, device=device, requires_grad=True)
+    mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
+    mask[-1, n - n // 8:] = True
+    return x, mask
+
+
+def build(method: str, causal: bool, impl: str, dtype=torch.float32, device="cpu", **options):
+    config = {"attention_impl": impl, **options}
+    return build_attention(method, 768, 12, causal=causal, config=config).to(device=device, dtype=dtype).train()
+
+
+def step(module, x, mask) -> None:
+    out, _ = module(x, x, x, key_padding_mask=mask, need_weights=False)
+    out.float().square().mean().backward()
+
+
+def count_step(method: str, causal: bool, n: int, impl: str, **options) -> Dict[str, int]:
+    module = build(method, causal, impl, **options)
+    x, mask = module_step_inputs(n)
+    step(module, x, mask)  # warm-up: first-call work (landmark draws, lazy buffers) is not counted
+    with count_dispatch() as counts:
+        step(module, x, mask)
+    return {"ops": counts.launched, "syncs": counts.host_syncs, "sync_ops": dict(counts.syncs)}
+
+
+def bf16_saved_bytes(method: str, causal: bool, n: int, impl: str) -> int:
+    module = build(method, causal, impl, dtype=torch.bfloat16)
+    x, mask = module_step_inputs(n, dtype=torch.bfloat16)
+    with saved_bytes() as held:
+        out, _ = module(x, x, x, key_padding_mask=mask, need_weights=False)
+    del out
+    return held["bytes"]
+
+
+def measure(impl: str, lengths: List[int], saved_n: Optional[int]) -> dict:
+    rows = []
+    for role, causal in ROLES.items():
+        for method in methods_for(role):
+            row = {"method": method, "role": role, "counts": {}}
+            for n in lengths:
+                row["counts"][str(n)] = count_step(method, causal, n, impl)
+            if saved_n:
+                row["bf16_saved_bytes"] = bf16_saved_bytes(method, causal, saved_n, impl)
+            rows.append(row)
+            print(_line(row, lengths), flush=True)
+    return {"impl": impl, "lengths": lengths, "saved_n": saved_n, "rows": rows}
+
+
+def _line(row: dict, lengths: List[int]) -> str:
+    counts = " ".join(f"{row['counts'][str(n)]['ops']:>6}" for n in lengths)
+    syncs = max(row["counts"][str(n)]["syncs"] for n in lengths)
+    saved = row.get("bf16_saved_bytes")
+    return f"{METHODS[row['method']].title:<24} {row['role']:<8} {counts} {syncs:>6} {saved if saved else '':>12}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", choices=("auto", "parallel", "looped"), default="parallel")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--saved-n", type=int, default=4096, help="N of the bf16 saved-bytes step (0: skip)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    print(f"{'method':<24} {'role':<8} " + " ".join(f"{n:>6}" for n in args.lengths) + "  syncs  bf16 saved")
+    res = measure(args.impl, args.lengths, args.saved_n)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

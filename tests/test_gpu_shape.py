@@ -1,0 +1,56 @@
+"""The GPU shape of every module's training step, proved on the CPU (docs/design.md §1.5): launched ATen ops that do
+not grow with the length in the parallel form, no host sync in any form, bf16 bytes saved for backward near
+softmax's, and a step on the ``meta`` device."""
+import pytest
+import torch
+
+from linattn.methods import methods_for
+from linattn.profiling import count_dispatch
+from linattn_tools.benchmark.gpu_shape import bf16_saved_bytes, build, count_step, module_step_inputs, step
+
+CAUSAL = {"encoder": False, "decoder": True}
+CASES = [(m, role) for role in CAUSAL for m in methods_for(role)]
+OP_LIMIT = {"lln_diag": 300, "skyformer": 300}  # ATen ops per training step at N = 8192; others 200
+QUADRATIC = {"kernelized"}  # exact kernel attention: its ops may grow with N
+
+
+@pytest.mark.parametrize("method,role", [c for c in CASES if c[0] not in QUADRATIC])
+def test_parallel_training_step_issues_a_fixed_number_of_ops(method, role):
+    small = count_step(method, CAUSAL[role], 2048, "parallel")
+    large = count_step(method, CAUSAL[role], 8192, "parallel")
+    assert large["ops"] <= 1.25 * small["ops"], (small["ops"], large["ops"])
+    assert large["ops"] <= OP_LIMIT.get(method, 200), large["ops"]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("form", ["parallel", "looped"])
+@pytest.mark.parametrize("method,role", CASES)
+def test_no_host_sync_in_a_step(method, role, form, train):
+    """Padded batches (right padding here, left padding below), odd length, both modes: no value is read on the
+    host (``.item()``, ``bool(t)``, boolean-mask indexing)."""
+    module = build(method, CAUSAL[role], form).train(train)
+    x, mask = module_step_inputs(77)
+    mask = torch.stack([mask[1], mask[1].flip(0)])  # right- and left-padded rows
+    step(module, x, mask)  # first call: lazy state
+    with count_dispatch() as counts:
+        step(module, x, mask)
+    assert counts.host_syncs == 0, dict(counts.syncs)
+
+
+@pytest.mark.parametrize("method,role", CASES)
+def test_bf16_bytes_saved_for_backward_stay_near_softmax(method, role):
+    """Half inputs stay half in what the op keeps for backward: fp32 copies would double it."""
+    softmax = bf16_saved_bytes("softmax", CAUSAL[role], 4096, "parallel")
+    ours = bf16_saved_bytes(method, CAUSAL[role], 4096, "parallel")
+    assert ours <= 1.5 * softmax, (ours / softmax, ours, softmax)
+
+
+@pytest.mark.parametrize("form", ["parallel", "looped"])
+@pytest.mark.parametrize("method,role", CASES)
+def test_training_step_runs_on_the_meta_device(method, role, form):
+    """Shapes only: deferred initialisation and sharded training build and run modules this way."""
+    with torch.device("meta"):
+        module = build(method, CAUSAL[role], form, device="meta")
+        x, mask = module_step_inputs(77, device="meta")
+        step(module, x, mask)
+    assert x.grad is not None and x.grad.device.type == "meta" and x.grad.shape == x.shape
