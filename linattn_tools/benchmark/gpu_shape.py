@@ -57,10 +57,12 @@ def bf16_saved_bytes(method: str, causal: bool, n: int, impl: str) -> int:
     return held["bytes"]
 
 
-def measure(impl: str, lengths: List[int], saved_n: Optional[int]) -> dict:
+def measure(impl: str, lengths: List[int], saved_n: Optional[int], methods: Optional[List[str]] = None) -> dict:
     rows = []
     for role, causal in ROLES.items():
         for method in methods_for(role):
+            if methods and method not in methods:
+                continue
             row = {"method": method, "role": role, "counts": {}}
             for n in lengths:
                 row["counts"][str(n)] = count_step(method, causal, n, impl)
@@ -83,10 +85,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--impl", choices=("auto", "parallel", "looped"), default="parallel")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--saved-n", type=int, default=4096, help="N of the bf16 saved-bytes step (0: skip)")
+    p.add_argument("--methods", nargs="+", default=None, help="only these methods (default: all)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     print(f"{'method':<24} {'role':<8} " + " ".join(f"{n:>6}" for n in args.lengths) + "  syncs  bf16 saved")
-    res = measure(args.impl, args.lengths, args.saved_n)
+    res = measure(args.impl, args.lengths, args.saved_n, args.methods)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1) + "\n")
