@@ -122,21 +122,28 @@ def _check_lln(cfg: "AttentionConfig", layers: Dict[str, List[str]]) -> None:
 
 
 # -- how the benchmarks call each op (linattn_tools/benchmark: attention, compare_ops) ------------------
+def _form(x) -> Dict[str, str]:
+    """The ``impl`` argument when the benchmark chose one (compare_ops also calls ops of revisions without it)."""
+    return {"impl": x["impl"]} if "impl" in x else {}
+
+
 def _bench_lln(ops, q, k, v, causal, x):
-    return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"])
+    return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"],
+                             **_form(x))
 
 
 def _bench_lln_diag(ops, q, k, v, causal, x):
     return ops.lln_diag_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"],
-                                  block_size=x["block_size"])
+                                  block_size=x["block_size"], **_form(x))
 
 
 def _bench_skyformer(ops, q, k, v, causal, x):  # training-mode landmarks (redrawn per call); never causal
-    return ops.skyformer_attention(q, k, v, num_landmarks=x["landmarks"], training=True)
+    return ops.skyformer_attention(q, k, v, num_landmarks=x["landmarks"], training=True, **_form(x))
 
 
 def _bench_lavo(ops, q, k, v, causal, x):
-    return ops.lavo_attention(q, k, v, x["lavo_bases"], x["lavo_bias"], window=x["window"], causal=causal)
+    return ops.lavo_attention(q, k, v, x["lavo_bases"], x["lavo_bias"], window=x["window"], causal=causal,
+                              **_form(x))
 
 
 METHODS: Dict[str, Method] = {m.name: m for m in (
@@ -160,7 +167,8 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("kernelized", "Kernelized", "KernelizedAttention", ("encoder",),
            flops=lambda n, d, causal, cfg: 4 * n * n * d,  # the full Gaussian kernel and C V
            rows_note="kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)", colour="tab:red",
-           benchmark_op=lambda ops, q, k, v, causal, x: ops.kernelized_attention(q, k, v), quadratic=True),
+           benchmark_op=lambda ops, q, k, v, causal, x: ops.kernelized_attention(q, k, v, **_form(x)),
+           quadratic=True),
     Method("lavo", "LAVO", "LAVOAttention", ("encoder", "decoder", "cross"), LAVO_OPTIONS, flops=_lavo_flops,
            relative_positions=True,
            rows_note="token mixing 0.5 (local + memory mean); values also pass a per-query channel projection",
@@ -172,7 +180,7 @@ BENCHMARK_EXTRAS: Dict[str, BenchmarkOp] = {b.name: b for b in (
     BenchmarkOp("block_softmax", "block softmax",
                 flops=lambda n, d, causal, cfg: block_softmax_flops(n, d, cfg.lln_diag_block_size),
                 benchmark_op=lambda ops, q, k, v, causal, x: ops.block_softmax_attention(
-                    q, k, v, block_size=x["block_size"], causal=causal)),
+                    q, k, v, block_size=x["block_size"], causal=causal, **_form(x))),
 )}
 
 

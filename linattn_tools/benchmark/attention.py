@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn.methods import benchmarked
+from linattn.ops.forms import IMPLS
+from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
 
 # the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn.methods.BENCHMARK_EXTRAS)
@@ -53,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--lavo-window", type=int, default=64)
     p.add_argument("--lavo-bases", type=int, default=64)
     p.add_argument("--landmarks", type=int, default=128, help="Skyformer landmarks")
+    p.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="execution form of the linear ops: parallel (GPU-shaped), looped (CPU), auto (by device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -93,7 +97,7 @@ def forward(method: str, causal: bool, x: dict, args):
     op = OPS[method]
     settings = {"alpha": x["alpha"], "beta": x["beta"], "chunk_size": args.chunk_size, "block_size": args.block_size,
                 "window": args.lavo_window, "landmarks": args.landmarks, "lavo_bases": x["lavo"][0],
-                "lavo_bias": x["lavo"][1]}
+                "lavo_bias": x["lavo"][1], "impl": args.impl}
     out = op.benchmark_op(ops, *x["qkv"], causal, settings)
     return out, x["qkv"] + [settings[p] for p in op.benchmark_params]
 
@@ -103,6 +107,13 @@ def case(method: str, causal: bool, args):
         def call():
             out, wrt = forward(method, causal, x, args)
             return torch.autograd.grad(out, wrt, x["grad"])
+
+        def extra() -> dict:
+            """ATen ops launched and host syncs of one call (a GPU launches at least one kernel per op)."""
+            with count_dispatch() as counts:
+                call()
+            return {"aten_ops": counts.launched, "host_syncs": counts.host_syncs}
+        call.extra = extra
         return call
     return build
 
@@ -258,6 +269,9 @@ def render(res: dict, image: str) -> str:
                            if r["status"] == "ok" and _row(res, base, r["n"]) else r for r in rows]
     speed_table = report.table(speed, sizes, lambda r: f"{r['speedup']:.1f}" if "speedup" in r else "n/a")
     rates = ", ".join(f"{int(n)}: {rate / 1e9:.0f}" for n, rate in res["matmul_flops"].items())
+    counted = any("aten_ops" in r for rows in pts.values() for r in rows)
+    ops_table = report.table(pts, sizes, lambda r: None if "aten_ops" not in r else
+                             f"{r['aten_ops']}" + (f" ({r['host_syncs']} syncs)" if r["host_syncs"] else ""))
     return "\n\n".join([
         report.machine_lines(res["machine"], res["load_start"]) +
         f" Load at the end: {', '.join(f'{x:.2f}' for x in res['load_end'])}.",
@@ -265,8 +279,8 @@ def render(res: dict, image: str) -> str:
         f"w.r.t. q, k, v; median of {c['min_repeats']}–{c['repeats']} calls after {c['warmup']} warm-up; "
         f"budget {c['time_budget']:g} s per call and {c['memory_budget_gib']:g} GiB. Options: causal LLN "
         f"chunk {c['chunk_size']}, blocks {c['block_size']}, LAVO w={c['lavo_window']} r={c['lavo_bases']}, "
-        f"Skyformer {c['landmarks']} landmarks. \"skipped\": the last two points predicted more than the "
-        "budget.",
+        f"Skyformer {c['landmarks']} landmarks; execution form `--impl {c.get('impl', 'looped')}`. "
+        "\"skipped\": the last two points predicted more than the budget.",
         f"![attention benchmark: time and memory against N]({image})" if image else "",
         "**Targets**\n\n" + report.targets_table(targets(res)),
         time_title + "\n\n" + time_table,
@@ -274,7 +288,8 @@ def render(res: dict, image: str) -> str:
         "**Speed-up over SDPA (softmax; causal over causal)**\n\n" + speed_table,
         "**Time over FLOP floor** (matmul FLOPs of forward+backward / matmul rate; rate in GFLOP/s at each "
         f"N: {rates})\n\n" + floor_table,
-    ])
+    ] + (["**ATen ops launched per call** (each is at least one kernel launch on a GPU; host syncs in "
+          "brackets)\n\n" + ops_table] if counted else []))
 
 
 def plot(res: dict, path: Path) -> None:
