@@ -70,6 +70,9 @@ class AttentionConfig:
         "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU form); auto = looped on the CPU, "
         "parallel on any other device",
         choices=("auto", "parallel", "looped"))
+    attention_compile: bool = option(
+        False, "compile each attention's op call with torch.compile (dynamic shapes): fused Triton kernels on a GPU, "
+        "C++ on the CPU; each new input shape first pays its compile time")
     # -- LLN and LLN+Diag
     lln_moment_matching: str = option(
         "paper", "how LLN sets alpha, beta (LLN §4.1): paper = published a, b; fit = a, b from "

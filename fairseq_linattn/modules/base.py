@@ -100,7 +100,7 @@ class AttentionBase(nn.Module):
             out = torch.cat(outs, 2)
         else:
             k = self._heads(self.k_proj(key)) if self.uses_keys else None
-            out = self.attend(q, k, self._heads(self.v_proj(value)), key_padding_mask, attn_mask)
+            out = self._attend_call()(q, k, self._heads(self.v_proj(value)), key_padding_mask, attn_mask)
         out = out.permute(2, 0, 1, 3).reshape(t, b, self.embed_dim)
         weights = None
         if (need_weights or need_head_weights) and incremental_state is None:
@@ -108,6 +108,14 @@ class AttentionBase(nn.Module):
             if weights is not None:  # fairseq's layout: (H, B, T, S) per head, else the mean over heads
                 weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)
         return self.out_proj(out), weights
+
+    def _attend_call(self):
+        """``attend``, compiled once per module with ``--attention-compile`` (kept out of the module's state)."""
+        if not self.config.attention_compile:
+            return self.attend
+        if "_compiled_attend" not in self.__dict__:
+            self.__dict__["_compiled_attend"] = torch.compile(self.attend, dynamic=True)
+        return self.__dict__["_compiled_attend"]
 
     def _accepted_attn_mask(self, attn_mask: Optional[Tensor], t: int, s: int, decoding: bool) -> Optional[Tensor]:
         """The attn_mask ``attend`` must apply: None when there is none or it is the future mask a causal
