@@ -2,6 +2,7 @@
 step at two lengths (the op budget compares them), bytes saved for backward in bf16 against softmax's.
 
     python -m linattn_tools.benchmark.gpu_shape [--impl parallel] [--lengths 2048 8192] [--json F]
+    python -m linattn_tools.benchmark.gpu_shape --render BEFORE.json PARALLEL.json LOOPED.json --docs docs/benchmarks.md
 
 One step: ``build_attention(method, 768, 12)``, B = 2 with the second sequence's last eighth padded,
 forward + backward, default options (docs/benchmarks.md, "GPU shape").
@@ -17,6 +18,7 @@ import torch
 from fairseq_linattn.modules.build import build_attention
 from linattn.methods import METHODS, methods_for
 from linattn.profiling import count_dispatch, saved_bytes
+from linattn_tools.benchmark.report import write_section
 
 ROLES = {"encoder": False, "decoder": True}
 
@@ -80,14 +82,49 @@ def _line(row: dict, lengths: List[int]) -> str:
     return f"{METHODS[row['method']].title:<24} {row['role']:<8} {counts} {syncs:>6} {saved if saved else '':>12}"
 
 
+def _by_case(res: dict) -> Dict[tuple, dict]:
+    return {(r["method"], r["role"]): r for r in res["rows"]}
+
+
+def render(before: dict, forms: List[dict]) -> str:
+    """Markdown: per method and role, ATen ops at each length and host syncs before and in each form, then bf16
+    bytes saved for backward over softmax's (same role)."""
+    lengths = before["lengths"]
+    sets = [(f"before ({before.get('revision', 'earlier')})", before)] + [(f"`{f['impl']}`", f) for f in forms]
+    head = ["method", "role"] + [f"{name} ops N={n}" for name, _ in sets for n in lengths] + \
+        [f"{name} syncs" for name, _ in sets] + [f"{name} bf16 saved / softmax" for name, _ in sets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cases = [_by_case(res) for _, res in sets]
+    for key in cases[0]:
+        cells = [METHODS[key[0]].title, key[1]]
+        cells += [str(c[key]["counts"][str(n)]["ops"]) if key in c else "–" for c in cases for n in lengths]
+        cells += [str(max(c[key]["counts"][str(n)]["syncs"] for n in lengths)) if key in c else "–" for c in cases]
+        for c in cases:
+            soft = c.get(("softmax", key[1]), {}).get("bf16_saved_bytes")
+            mine = c.get(key, {}).get("bf16_saved_bytes")
+            cells.append(f"{mine / soft:.2f}" if soft and mine else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--impl", choices=("auto", "parallel", "looped"), default="parallel")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--saved-n", type=int, default=4096, help="N of the bf16 saved-bytes step (0: skip)")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (default: all)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: render these results (the first is the 'before' column set)")
+    p.add_argument("--docs", type=Path, default=None, help="with --render: rewrite the gpu-shape section of this file")
     args = p.parse_args(argv)
+    if args.render:
+        results = [json.loads(path.read_text()) for path in args.render]
+        table = render(results[0], results[1:])
+        print(table)
+        if args.docs:
+            write_section(args.docs, "gpu-shape", table)
+        return 0
     print(f"{'method':<24} {'role':<8} " + " ".join(f"{n:>6}" for n in args.lengths) + "  syncs  bf16 saved")
     res = measure(args.impl, args.lengths, args.saved_n, args.methods)
     if args.json:
