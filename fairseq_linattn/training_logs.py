@@ -6,7 +6,8 @@ workers and then calls ``task.reduce_metrics``. We extend ``FairseqTask.train_st
 attention modules after each forward, and ``FairseqTask.reduce_metrics`` to log
 ``<name> = sum / count`` with ``metrics.log_scalar``: worker-averaged values that land in
 ``--tensorboard-logdir`` next to ``loss``, ``lr`` and ``gnorm``. Models without plugin attention add
-nothing, so stock models are unaffected.
+nothing, so stock models are unaffected. The same extension defers the moment matchers' folds during
+``train_step`` and folds them in ``optimizer_step``: one all-reduce per update for all layers (``moment_sync``).
 """
 import contextlib
 from typing import Dict
@@ -15,7 +16,8 @@ import torch
 from fairseq import metrics
 from fairseq.tasks import FairseqTask
 
-from .modules.moment_matcher import statistics_left_out
+from . import moment_sync
+from .modules.moment_matcher import folds_deferred, statistics_left_out
 
 PREFIX = "linattn_"
 
@@ -58,7 +60,7 @@ def _reduce(logging_outputs) -> None:
 
 
 def log_statistics_through_tasks() -> None:
-    """Idempotently extend FairseqTask's train_step, valid_step and reduce_metrics.
+    """Idempotently extend FairseqTask's train_step, valid_step, reduce_metrics and optimizer_step.
 
     Why the plugin extends fairseq's base task rather than wrapping something: the statistics must reach
     every task's logging outputs (masked_lm, language_modeling, sentence_prediction, translation, ...)
@@ -70,14 +72,23 @@ def log_statistics_through_tasks() -> None:
     if getattr(FairseqTask, "_linattn_metrics", False):
         return
     train_step, valid_step, reduce_metrics = FairseqTask.train_step, FairseqTask.valid_step, FairseqTask.reduce_metrics
+    optimizer_step = FairseqTask.optimizer_step
 
     def train_step_with_stats(self, sample, model, *args, **kwargs):
-        # fairseq's dummy batch (a rank without data; ignore_grad=True): its statistics join no all-reduce
+        # fairseq's dummy batch (a rank without data; ignore_grad=True): it adds no moments to the statistics
         dummy = kwargs.get("ignore_grad", args[3] if len(args) > 3 else False)
-        with statistics_left_out() if dummy else contextlib.nullcontext():
+        with statistics_left_out() if dummy else contextlib.nullcontext(), folds_deferred():
             loss, sample_size, logging_output = train_step(self, sample, model, *args, **kwargs)
         _add_stats(model, logging_output)
         return loss, sample_size, logging_output
+
+    def optimizer_step_with_folds(self, optimizer, model, update_num):
+        # the update's moment statistics, all layers in one all-reduce, folded only if the step was taken
+        before = moment_sync.loss_scale(optimizer)
+        optimizer_step(self, optimizer, model, update_num)
+        after = moment_sync.loss_scale(optimizer)
+        if before is None or after >= before:  # --amp lowers its scale when it skips an overflowing step
+            moment_sync.fold_moment_statistics(model, *moment_sync.data_parallel_group())
 
     def valid_step_with_stats(self, sample, model, *args, **kwargs):
         loss, sample_size, logging_output = valid_step(self, sample, model, *args, **kwargs)
@@ -91,4 +102,5 @@ def log_statistics_through_tasks() -> None:
     FairseqTask.train_step = train_step_with_stats
     FairseqTask.valid_step = valid_step_with_stats
     FairseqTask.reduce_metrics = reduce_metrics_with_stats
+    FairseqTask.optimizer_step = optimizer_step_with_folds
     FairseqTask._linattn_metrics = True

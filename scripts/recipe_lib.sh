@@ -41,8 +41,10 @@ RECIPE_PASSES=fairseq-train
 KNOBS_HELP="Environment (defaults in brackets):
   DEVICE=gpu|cpu [gpu]        SAMPLE=1: the shipped samples in data/, a tiny model, a handful of
                               updates (prepared into SAMPLE_DATA [data-bin/samples] when missing) [0]
-  GPUS_PER_NODE [all visible GPUs]  NNODES [1]  NODE_RANK [0]  MASTER_ADDR [localhost]
-  MASTER_PORT [29500]         (more than one GPU in all: torchrun with a c10d rendezvous)
+  GPUS_PER_NODE [all visible GPUs]  NNODES [1]  NODE_RANK [0]: this node's rank  MASTER_ADDR [localhost]
+  MASTER_PORT [29500]         (more than one GPU in all: torchrun, static rendezvous at node 0's
+                              MASTER_ADDR:MASTER_PORT; start the same command on every node)
+  DRY_RUN=1                   print the launch command (torchrun's or fairseq-train's) and run nothing
   PER_DEVICE                  per-GPU batch (sequences, or tokens for the LM) [the config's]
   UPDATE_FREQ                 [computed so that PER_DEVICE x GPUs x nodes x UPDATE_FREQ keeps the
                               paper's batch]
@@ -164,17 +166,24 @@ fresh_log() {
 # lines)
 launch_train() {
   recipe_devices
+  local common=(--user-dir "$USER_DIR" --save-dir "$OUT" --tensorboard-logdir "${TB:-$OUT/tb}") cmd
+  if [ "$WORLD" -gt 1 ]; then  # torchrun's static rendezvous: this node is NODE_RANK of NNODES, rank 0 at MASTER_ADDR
+    [ "$NODE_RANK" -ge 0 ] 2>/dev/null && [ "$NODE_RANK" -lt "$NNODES" ] \
+      || die "NODE_RANK must be an integer in [0, NNODES = $NNODES), got '$NODE_RANK'"
+    cmd=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
+         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+         -m fairseq_cli.train "$@" "${common[@]}" --distributed-world-size "$WORLD")
+  else  # one process: fairseq would otherwise start one per visible GPU (the batch is split for one)
+    cmd=("$BIN/fairseq-train" "$@" "${common[@]}" --distributed-world-size 1)
+  fi
+  if [ "${DRY_RUN:-0}" = 1 ]; then  # the command, one shell-quoted line, and nothing run
+    printf '%q ' "${cmd[@]}"; echo
+    return 0
+  fi
   mkdir -p "$OUT"
   fresh_log "$OUT/train.log"
-  local common=(--user-dir "$USER_DIR" --save-dir "$OUT" --tensorboard-logdir "${TB:-$OUT/tb}")
   echo "[recipe] fairseq-train $* ${common[*]}" >&2
-  if [ "$WORLD" -gt 1 ]; then
-    "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
-      --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${RDZV_ID:-linattn}" \
-      -m fairseq_cli.train "$@" "${common[@]}" --distributed-world-size "$WORLD" 2>&1 | tee "$OUT/train.log"
-  else  # one process: fairseq would otherwise start one per visible GPU (the batch is split for one)
-    "$BIN/fairseq-train" "$@" "${common[@]}" --distributed-world-size 1 2>&1 | tee "$OUT/train.log"
-  fi
+  "${cmd[@]}" 2>&1 | tee "$OUT/train.log"
 }
 
 # recipe_train CONFIG [--task T] [--data-subdir D] -- OPTIONS...: the runner. fairseq-train on the

@@ -17,7 +17,7 @@ $KNOBS_HELP
 
 Examples:
   GPUS_PER_NODE=8 scripts/train_pg19.sh lavo
-  NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train_pg19.sh lln   # on each node
+  NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train_pg19.sh lln   # on node0; NODE_RANK=1 on the other
 ABOUT
 }
 recipe_cli "$@"

@@ -223,3 +223,14 @@ def test_model_memory_tables_count_a_point_over_the_time_budget_whose_peak_was_m
     assert [r["status"] for r in mem] == ["ok", "ok", "skipped"] and mem[1]["over"] == "310.0 s > 300 s budget"
     table = bm.longest_update_table(res)
     assert "7.00 GiB at 8192" in table and "| 16384 |" in table  # fit through 4096 and 8192: 4 + 3 GiB per 4096 tokens
+
+
+def test_the_malloc_default_applies_only_on_the_cpu():
+    """glibc's settings matter for CPU tensors only: on a GPU the benchmark neither restarts nor runs twice."""
+    from linattn_tools.benchmark import attention, model
+
+    assert attention.parse_args(["--device", "cpu"]).malloc == "both"
+    assert attention.parse_args(["--device", "cuda"]).malloc == "default"
+    assert attention.parse_args(["--device", "cuda", "--malloc", "keep"]).malloc == "keep"
+    assert model.parse_args(["--device", "cpu", "--malloc", "keep"]).malloc == "keep"
+    assert model.parse_args(["--device", "cuda"]).malloc == "default"

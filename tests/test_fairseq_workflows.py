@@ -168,7 +168,7 @@ def read_records(path):
 
 
 def ddp_and_one_process(tmp_path, lines, *extra):
-    """masked_lm with --lln-stats batch: 2 gloo ranks x batches of 4 and 1 process x batches of 8 on ``lines``
+    """masked_lm with --lln-stats ema: 2 gloo ranks x batches of 4 and 1 process x batches of 8 on ``lines``
     generated sequences; returns per-rank (alpha, beta) records, train_inner logs and final model states."""
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -181,7 +181,7 @@ def ddp_and_one_process(tmp_path, lines, *extra):
     script.write_text(RECORDING_TRAIN)
     # one sequence per sample, batches as asked (fairseq's default multiple of 8 drops samples from batches of 4)
     args = [str(data), "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "linattn_roberta_tiny",
-            "--encoder-attention-type", "lln,lln_diag", "--lln-stats", "batch", "--lln-diag-block-size", "8",
+            "--encoder-attention-type", "lln,lln_diag", "--lln-stats", "ema", "--lln-diag-block-size", "8",
             "--sample-break-mode", "eos", "--tokens-per-sample", "64", "--required-batch-size-multiple", "1",
             "--user-dir", USER_DIR, "--optimizer", "adam", "--lr", "1e-3", "--max-update", "4", "--dropout", "0",
             "--attention-dropout", "0", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "1",
@@ -206,10 +206,11 @@ def ddp_and_one_process(tmp_path, lines, *extra):
 def check_ddp_equals_one_process(records, logs, states):
     (rank0, rank1), (single,) = records["two"], records["one"]
     assert len(rank0) == len(rank1) == len(single) == 4 * 2  # 4 updates x 2 LLN layers
-    assert rank0 == rank1  # all-reduced statistics: the same float64 sums on both ranks
+    assert rank0 == rank1  # statistics folded from one all-reduce per update: the same on both ranks
     for (a2, b2), (a1, b1) in zip(rank0, single):
         assert a2 == pytest.approx(a1, rel=1e-6) and b2 == pytest.approx(b1, rel=1e-6)
-    assert len({a for (a,), _ in single}) == len(single)  # the statistics changed with every batch and layer
+    # the statistics changed with every update and layer (the first update's two layers both read the initial 1)
+    assert len({a for (a,), _ in single}) == len(single) - 1
     assert len(logs["two"]) == len(logs["one"]) == 4
     for a, b in zip(logs["two"], logs["one"]):
         assert a["bsz"] == b["bsz"]  # the same global batch
@@ -221,9 +222,10 @@ def check_ddp_equals_one_process(records, logs, states):
 
 
 @pytest.mark.slow
-def test_cpu_ddp_batch_statistics_are_all_reduced_like_one_process_on_the_global_batch(tmp_path):
-    """--lln-stats batch under 2 gloo ranks x 4 sequences: both ranks match on the statistics of all 8,
-    so alpha, beta, losses and parameters equal a 1-process run with batches of 8."""
+def test_cpu_ddp_statistics_fold_like_one_process_on_the_global_batch(tmp_path):
+    """--lln-stats ema under 2 gloo ranks x 4 sequences: each update folds the statistics of all 8 (one
+    all-reduce), so alpha, beta, losses and parameters equal a 1-process run with batches of 8. (``batch``
+    statistics are each rank's own in the forward, as batch normalisation's: tests/test_moment_sync.py.)"""
     # 4 updates of 8 sequences, one epoch; grouped shuffling hands the 2 ranks of an update the two halves
     # of the 1-process batch
     records, logs, states = ddp_and_one_process(tmp_path, 32, "--grouped-shuffling")
@@ -232,9 +234,9 @@ def test_cpu_ddp_batch_statistics_are_all_reduced_like_one_process_on_the_global
 
 
 @pytest.mark.slow
-def test_cpu_ddp_batch_statistics_leave_out_a_ranks_dummy_batch(tmp_path):
+def test_cpu_ddp_statistics_leave_out_a_ranks_dummy_batch(tmp_path):
     """A rank without data runs fairseq's dummy batch (a copy of a real one, ignore_grad=True): metrics_hook
-    runs it inside statistics_left_out(), so its statistics do not join the all-reduce."""
+    runs it inside statistics_left_out(), so it adds nothing to the update's all-reduced statistics."""
     # 28 sequences in 7 batches of 4, unshuffled (--curriculum 1): the 4th update gives rank 0 the last
     # 4 sequences and rank 1 nothing, so rank 1 runs fairseq's dummy batch; 1 process: 8, 8, 8 and 4
     records, logs, states = ddp_and_one_process(tmp_path, 28, "--curriculum", "1")

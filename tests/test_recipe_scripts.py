@@ -1,5 +1,6 @@
 """The recipe scripts (scripts/*.sh): help, usage, attention checks against the registry, launch, glibc settings."""
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -158,8 +159,8 @@ def test_more_than_one_gpu_launches_torchrun_and_counts_gpus_only_when_launching
     proc = run_script("train_pg19.sh", "lavo", env=env)
     assert proc.returncode == 0, proc.stderr
     args = argv.read_text().splitlines()
-    assert args[:9] == ["torchrun", "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-                        "--rdzv_endpoint", "node0:29500"]
+    assert args[:11] == ["torchrun", "--nnodes", "2", "--node_rank", "0", "--nproc_per_node", "2", "--master_addr",
+                         "node0", "--master_port", "29500"]
     assert "--fp16" in args and args[args.index("--update-freq") + 1] == "4"  # 8192 x 4 GPUs x 4 = 2^17
     assert args[-2:] == ["--distributed-world-size", "4"] and "--cpu" not in args
     assert not any(call.startswith("-c") for call in calls.read_text().splitlines())  # GPUS_PER_NODE given
@@ -167,6 +168,25 @@ def test_more_than_one_gpu_launches_torchrun_and_counts_gpus_only_when_launching
     proc = run_script("train_pg19.sh", "lavo", env={**env, "NNODES": "1"})
     assert proc.returncode == 0, proc.stderr
     assert sum(call.startswith("-c import torch") for call in calls.read_text().splitlines()) == 1
+
+
+def test_dry_run_prints_the_torchrun_command_of_a_second_node_and_runs_nothing(tmp_path):
+    """NODE_RANK reaches torchrun (static rendezvous at node 0's MASTER_ADDR:MASTER_PORT); DRY_RUN=1 only prints."""
+    (tmp_path / "data").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "SAMPLE", "OUT", "DATA")}
+    env.update(DEVICE="gpu", DATA=str(tmp_path / "data"), OUT=str(tmp_path / "out"), DRY_RUN="1", NNODES="2",
+               NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29600", GPUS_PER_NODE="4")
+    proc = run_script("train_pg19.sh", "lln", env=env)
+    assert proc.returncode == 0, proc.stderr
+    args = shlex.split(next(line for line in proc.stdout.splitlines() if "torch.distributed.run" in line))
+    assert args[1:3] == ["-m", "torch.distributed.run"]
+    launcher = dict(zip(args[3:13:2], args[4:13:2]))
+    assert launcher == {"--nnodes": "2", "--node_rank": "1", "--nproc_per_node": "4", "--master_addr": "10.1.2.3",
+                        "--master_port": "29600"}
+    assert args[13:15] == ["-m", "fairseq_cli.train"] and args[-2:] == ["--distributed-world-size", "8"]
+    assert args[args.index("--save-dir") + 1] == str(tmp_path / "out") and not (tmp_path / "out").exists()
+    proc = run_script("train_pg19.sh", "lln", env={**env, "NODE_RANK": "2"})
+    assert proc.returncode == 2 and "NODE_RANK must be an integer in [0, NNODES = 2)" in proc.stderr
 
 
 # --- reports ------------------------------------------------------------------------------------

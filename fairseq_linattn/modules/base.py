@@ -198,7 +198,7 @@ class AttentionBase(nn.Module):
         strict ``load_state_dict``.
         """
         prefix = name + "." if name else ""
-        own = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        own = {key: value for key, value in self.state_dict(keep_vars=True).items()}  # persistent entries only
         if not any(key.startswith(prefix + "q_proj.") for key in state_dict):
             return  # this module is not in the checkpoint at all (e.g. a head added later)
         for key, value in own.items():

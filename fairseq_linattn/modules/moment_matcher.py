@@ -28,6 +28,7 @@ from linattn.ops.moment_matching import (
 
 _F64 = torch.float64
 _STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
+_FOLDS_DEFERRED = contextvars.ContextVar("linattn_folds_deferred", default=False)
 
 
 @contextlib.contextmanager
@@ -42,6 +43,18 @@ def statistics_left_out():
         yield
     finally:
         _STATISTICS_LEFT_OUT.reset(token)
+
+
+@contextlib.contextmanager
+def folds_deferred():
+    """Training forwards inside add their batch's moments to ``pending_moments`` instead of folding them into the
+    running statistics at once; ``fold_pending`` folds them (fairseq's optimizer step, after one all-reduce of every
+    layer's pending moments: ``fairseq_linattn.moment_sync``)."""
+    token = _FOLDS_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _FOLDS_DEFERRED.reset(token)
 
 
 class MomentMatcher(nn.Module):
@@ -60,8 +73,11 @@ class MomentMatcher(nn.Module):
     alpha, beta per head, else per layer. seq_len: the N of the ``exact`` table.
 
     sigma is the std of all entries of non-padded tokens (all D channels pooled; see the module
-    docstring for the convention); with torch.distributed initialised, training statistics are
-    all-reduced (sum, sum of squares, count) so every rank uses the same alpha, beta. The last values
+    docstring for the convention). A training forward's ``batch`` statistics are its own rank's (as batch
+    normalisation's) under fairseq's trainer, where every layer's moments (sum, sum of squares, count) wait in
+    ``pending_moments`` and are all-reduced together once per update (``folds_deferred``); elsewhere, with
+    torch.distributed initialised, each training forward all-reduces its own and uses the global batch's. Either
+    way every rank folds the global batch's statistics, so all keep the same running statistics. The last values
     are kept for logging as detached float64 tensors of shape (H,) or (1,): ``last_sigma_q``,
     ``last_sigma_k``, ``last_alpha``, ``last_beta``, ``last_tau`` (tau_lln, eq. 11).
     """
@@ -113,6 +129,8 @@ class MomentMatcher(nn.Module):
             self.register_buffer("running_var_q", torch.ones(groups))
             self.register_buffer("running_var_k", torch.ones(groups))
             self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
+        # sum q, sum q², sum k, sum k², token entries of the training forwards not folded in yet (folds_deferred)
+        self.register_buffer("pending_moments", torch.zeros(5, groups, dtype=_F64), persistent=False)
         self.last_sigma_q = self.last_sigma_k = self.last_alpha = self.last_beta = self.last_tau = None
 
     def extra_repr(self) -> str:
@@ -126,13 +144,19 @@ class MomentMatcher(nn.Module):
             buf = getattr(self, name, None)
             if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
                 setattr(self, name, buf.float())
+        self.pending_moments = self.pending_moments.to(_F64)  # sums over many tokens: float64
         return self
 
-    def _batch_variances(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], reduce: bool,
-                         per_sequence: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-        """Variances of q and k entries over non-padded tokens and their count, each (G,), or (B, G) for
-        ``per_sequence``; with ``reduce`` (training) all-reduced, and a forward inside ``statistics_left_out``
-        adds nothing (variances 1 for no tokens)."""
+    def train(self, mode: bool = True):
+        """fairseq's trainer calls ``model.train()`` at the start of every update attempt: the moments of an attempt
+        it skipped (gradient overflow, out of memory) are dropped here, never folded."""
+        if mode:
+            self.pending_moments.zero_()
+        return super().train(mode)
+
+    def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False
+                 ) -> Tensor:
+        """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum q², sum k, sum k², entries, over non-padded tokens."""
         dims = (2, 3) if self.per_head else (1, 2, 3)
         dims, shape = (dims, (q.shape[0], -1)) if per_sequence else ((0,) + dims, (-1,))
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
@@ -145,11 +169,11 @@ class MomentMatcher(nn.Module):
         tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
         count = tokens * q.shape[3] * (1 if self.per_head else q.shape[1])
         moments.append(count.expand_as(moments[0]))
-        moments = torch.stack(moments)  # (5, G) or (5, B, G): sum q, sum q², sum k, sum k², count
-        if reduce and _STATISTICS_LEFT_OUT.get():
-            moments = torch.zeros_like(moments)  # a dummy batch: joins the all-reduce with nothing
-        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(moments)
+        return torch.stack(moments)
+
+    @staticmethod
+    def _variances(moments: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Variances of q and k entries and their count from ``_moments``; variance 1 where there is no token."""
         count = moments[4]
         n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
         mean_q, mean_k = moments[0] / n, moments[2] / n
@@ -193,20 +217,19 @@ class MomentMatcher(nn.Module):
                              f"length, got {q.shape[2]} and {k.shape[2]}")
         trained_on = self.training and torch.is_grad_enabled() and not peek
         with torch.no_grad():  # alpha, beta are constants for autograd
-            return self._statistics(q, k, key_padding_mask, trained_on, reduce=self.training and not peek)
+            return self._statistics(q, k, key_padding_mask, trained_on)
 
-    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool,
-                    reduce: bool):
+    def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
         if self.stats == "batch":
             if self.training:
-                var_q, var_k, count = self._batch_variances(q, k, key_padding_mask, reduce)
+                moments = self._training_moments(q, k, key_padding_mask)
                 if trained_on:
-                    self._fold(var_q, var_k, count, self.running_var_q, self.running_var_k)
-                return self._match(var_q, var_k, like=q)
+                    moments = self._record(moments)
+                return self._match(*self._variances(moments)[:2], like=q)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
             # Chosen on the device, with no host sync: (B, G) either way
-            own_q, own_k = self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[:2]
+            own_q, own_k = self._variances(self._moments(q, k, key_padding_mask, per_sequence=True))[:2]
             seen = self.running_batches > 0
             return self._match(torch.where(seen, self.running_var_q.to(_F64), own_q),
                                torch.where(seen, self.running_var_k.to(_F64), own_k), like=q)
@@ -214,8 +237,34 @@ class MomentMatcher(nn.Module):
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            self._fold(*self._batch_variances(q, k, key_padding_mask, reduce), self.ema_var_q, self.ema_var_k)
+            self._record(self._training_moments(q, k, key_padding_mask))
         return self._match(var_q, var_k, like=q)
+
+    def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """``_moments`` of a training forward; none (variance 1) inside ``statistics_left_out``."""
+        moments = self._moments(q, k, key_padding_mask)
+        return torch.zeros_like(moments) if _STATISTICS_LEFT_OUT.get() else moments
+
+    def _record(self, moments: Tensor) -> Tensor:
+        """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or
+        folded now, all-reduced first when torch.distributed is initialised (returned all-reduced)."""
+        if _FOLDS_DEFERRED.get():
+            self.pending_moments.add_(moments)
+            return moments
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            moments = moments.clone()
+            dist.all_reduce(moments)
+        self._fold_moments(moments)
+        return moments
+
+    def fold_pending(self) -> None:
+        """Fold ``pending_moments`` (all-reduced by the caller) into the running statistics, then clear them."""
+        self._fold_moments(self.pending_moments)
+        self.pending_moments.zero_()
+
+    def _fold_moments(self, moments: Tensor) -> None:
+        bufs = (self.running_var_q, self.running_var_k) if self.stats == "batch" else (self.ema_var_q, self.ema_var_k)
+        self._fold(*self._variances(moments), *bufs)
 
     def _fold(self, batch_q: Tensor, batch_k: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
         """buf <- m buf + (1 - m) batch; ``batch`` stats: the running statistics' first batches are averaged

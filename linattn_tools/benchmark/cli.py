@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+import torch
+
 from . import measure, report
 
 
@@ -16,11 +18,14 @@ def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json:
                          malloc_default: str = "keep") -> None:
     """--malloc, --json, --plot, --docs, --from-json, --quick (the last given meaning by ``finish_args``)."""
     choices = ["keep", "default"] + (["both"] if malloc_default == "both" else [])
-    p.add_argument("--malloc", choices=choices, default=malloc_default,
-                   help="keep: restart with glibc keeping freed memory (no page faults on every large "
-                        "temporary, like a GPU's caching allocator), for every method; default: glibc's"
+    p.add_argument("--malloc", choices=choices, default=None,
+                   help="glibc's allocator (CPU only): keep: restart with glibc keeping freed memory (no page "
+                        "faults on every large temporary, like a GPU's caching allocator), for every method; "
+                        "default: glibc's"
                         + ("; both: measure with glibc's defaults (what a user runs), then time again in a "
-                           "child process under keep (the second column)" if "both" in choices else ""))
+                           "child process under keep (the second column)" if "both" in choices else "")
+                        + f" [{malloc_default} on the CPU, default on a GPU: no restart, no second run]")
+    p.set_defaults(malloc_cpu_default=malloc_default)
     p.add_argument("--json", type=Path, default=None, help=f"results (default {default_json}; none with --quick)")
     p.add_argument("--plot", type=Path, default=None, help=f"PNG (default {default_plot}; none with --quick)")
     p.add_argument("--docs", type=Path, default=None, help=f"rewrite the {section} section of this markdown")
@@ -35,6 +40,9 @@ def finish_args(args: argparse.Namespace, quick: dict, default_json: Path, defau
 
     The default plot goes to ``img/`` beside ``--docs`` when it is given (where the section links it).
     """
+    if args.malloc is None:  # glibc's settings matter only for CPU tensors
+        args.malloc = args.malloc_cpu_default if torch.device(getattr(args, "device", "cpu")).type == "cpu" \
+            else "default"
     if args.quick:
         for key, value in quick.items():
             setattr(args, key, value)
