@@ -22,7 +22,7 @@ from .modules.moment_matcher import folds_deferred, statistics_left_out
 PREFIX = "linattn_"
 
 
-def attention_stats(model) -> Dict[str, float]:
+def attention_stats(model) -> Dict[str, torch.Tensor]:
     """Mean over the model's LLN layers of sigma_q, sigma_k, alpha, beta, tau (from the last forward)."""
     from .modules.lln import LLNAttention
 
@@ -34,8 +34,8 @@ def attention_stats(model) -> Dict[str, float]:
             rows.append(torch.stack([getattr(matcher, "last_" + n).double().mean() for n in names]))
     if not rows:
         return {}
-    means = torch.stack(rows).mean(0).tolist()  # one device sync per forward
-    return {"lln_" + n: v for n, v in zip(names, means)}
+    means = torch.stack(rows).mean(0)  # tensors: fairseq reads logging outputs on the host once per logged update
+    return {"lln_" + n: means[i] for i, n in enumerate(names)}
 
 
 def _add_stats(model, logging_output: dict) -> None:
