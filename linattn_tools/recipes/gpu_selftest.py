@@ -22,6 +22,7 @@ samples in WORK/samples are kept). Exit status: 0 = every check passed, 1 = a ch
 CPU (fp32 instead of --fp16, 2 gloo processes, speed without a verdict), a few minutes.
 """
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
         return 2
     from .selftest.env import torch_build
 
+    logging.basicConfig(level=logging.WARNING)  # before fairseq's modules, some of which set DEBUG on import
     started = time.time()
     settings = Settings(args.device, args.work.resolve(), quick=args.quick, updates=args.updates,
                         min_loss_scale=args.min_loss_scale)

@@ -1,5 +1,7 @@
 """The ``multi_gpu`` stage: 2 data-parallel ranks against 1 process with the same global batch, a few updates of
-the sample RoBERTa with LLN and LLN+Diag layers (batch statistics, all-reduced across ranks), dropout off.
+the sample RoBERTa with LLN and LLN+Diag layers (batch statistics, all-reduced across ranks), dropout off, one
+sentence per sample and grouped shuffling (so that the ranks' batches of an update are the two halves of the
+1-process batch).
 
 On CUDA (>= 2 GPUs) the ranks start as the recipes start them (``torch.distributed.run``, c10d rendezvous, NCCL);
 on the CPU with ``python -m linattn_tools.cpu_ddp`` (2 gloo processes, the recipes' CPU data-parallel launch). The
@@ -29,9 +31,9 @@ def train_args(settings: Settings, devices: int, per_device: int) -> list:
     data = settings.samples / recipe_config.get(config, "data")
     args = recipe_config.fairseq_args(config, devices, fp16=False, per_device=per_device, update_freq=1)
     return [str(data), *args, "--encoder-attention-type", ATTENTION, "--max-update", "3", "--dropout", "0",
-            "--attention-dropout", "0", "--grouped-shuffling", "--required-batch-size-multiple", "1",
-            "--disable-validation", "--seed", "1", "--log-format", "json", "--log-interval", "1",
-            "--user-dir", str(ROOT / "fairseq_linattn")] + ([] if settings.cuda else ["--cpu"])
+            "--attention-dropout", "0", "--sample-break-mode", "eos", "--grouped-shuffling",
+            "--required-batch-size-multiple", "1", "--disable-validation", "--seed", "1", "--log-format", "json",
+            "--log-interval", "1", "--user-dir", str(ROOT / "fairseq_linattn")] + ([] if settings.cuda else ["--cpu"])
 
 
 def commands(settings: Settings, out: Path) -> dict:
