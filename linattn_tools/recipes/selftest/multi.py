@@ -57,7 +57,7 @@ def multi_stage(settings: Settings) -> Stage:
 
     backend = "NCCL, torchrun" if settings.cuda else "gloo, python -m linattn_tools.cpu_ddp"
     stage = Stage("multi_gpu", note=f"{ATTENTION} RoBERTa sample, 2 ranks x {PER_RANK} vs 1 process x "
-                  f"{2 * PER_RANK} sequences, 3 updates ({backend})")
+                  f"{2 * PER_RANK} sequences, 3 updates in fp32 ({backend})")
     if settings.cuda and settings.gpus < 2:
         stage.add("2 ranks", "SKIP", f"{settings.gpus} GPU visible", ">= 2 GPUs")
         return stage
