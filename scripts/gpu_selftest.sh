@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first thing to run on a CUDA machine: ops vs references on the GPU, fp16 training, N=4096 benchmark.
+# The first thing to run on a CUDA machine (docs/first_gpu_run.md): every stage of the GPU self-test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -7,19 +7,29 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 case "${1:-}" in
   -h|--help)
     cat <<USAGE
-Usage: bash scripts/gpu_selftest.sh [--parts ops train bench] [--work DIR] [--updates 50]
-                                    [--min-loss-scale 1] [--bench-size 4096]
+Usage: bash scripts/gpu_selftest.sh [--device cuda|cpu] [--quick] [--stages STAGE...] [--work DIR]
+                                    [--updates 50] [--min-loss-scale 1]
 
-About 5 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose it); the .venv must hold a CUDA torch.
-  1. ops: every attention method in every role (forward and gradients, padded rows) in float32,
-     float16 and bfloat16 on the GPU against its float64 reference on the CPU (~1 min);
-  2. train: 50 --fp16 updates of each sample recipe on the GPU (pretrain_wikitext103.sh for every
-     encoder type, train_pg19.sh for every causal one: python -m linattn.methods list),
-     judged from TensorBoard: finite loss, loss_scale never below --min-loss-scale (~3 min);
-  3. bench: python -m linattn_tools.benchmark.attention --device cuda --sizes 4096 (CUDA events, ~1 min);
-  4. one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".
-Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once). Logs, TensorBoard and
-the benchmark JSON go to --work [runs/gpu_selftest].
+About 15 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose; 2 or more visible GPUs add multi_gpu);
+the .venv must hold a CUDA build of torch. Each stage prints PASS/FAIL per check with the measured number
+and its threshold:
+  env        torch, CUDA, driver, GPUs, compute capability, native bfloat16 (bf16 checks skipped without);
+  ops        every method x role x float32/float16/bfloat16 x parallel/looped form, eval and train mode
+             (EMA statistics, landmark redraws, dropout), forward and gradients vs the float64 reference;
+  train      50 --fp16 updates of the sample recipes per attention: loss falls, loss_scale after warm-up
+             >= --min-loss-scale (read from this run's TensorBoard), moment statistics finite;
+  finetune   scripts/finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoints;
+  eval_lm    scripts/eval_pg19.sh: perplexity at 1x and 2x the training context;
+  decode     incremental decoding == full forward on the GPU (padded batch, beam reordering);
+  speed      the attention benchmark (CUDA events) at N = 4096, 8192, 16384, per form: FAIL when a linear
+             method is slower than SDPA at 16K; ATen op and host sync counts shown;
+  multi_gpu  2 ranks (torchrun) vs 1 process on the same global batch: moment statistics identical on
+             both ranks and equal to the 1-process run's; losses within 2e-3.
+Then one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".
+Report: DIR/report.md and DIR/report.json [--work runs/gpu_selftest]; each run first removes the previous
+run's files there (the prepared samples in DIR/samples are kept).
+Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once, naming the torch build).
+Without a GPU: --device cpu --quick runs every stage at tiny sizes on the CPU (~4 minutes on 2 cores).
 USAGE
     exit 0;;
 esac
