@@ -18,12 +18,15 @@ def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _tokens(x: Optional[Tensor], order: Tensor, dim: int = 2) -> Optional[Tensor]:
-    """x with its tokens (along ``dim``, batch on dim 0) in ``order`` (B, N)."""
+    """x with its tokens (along ``dim``, batch on dim 0) in ``order`` (B, N). One ``index_select`` of (token, row)
+    pairs: its backward keeps only the index (``gather`` would keep all of x for backward)."""
     if x is None:
         return None
-    shape = [x.shape[0]] + [1] * (x.dim() - 1)
-    shape[dim] = order.shape[1]
-    return x.gather(dim, order.view(shape).expand(*x.shape[:dim], order.shape[1], *x.shape[dim + 1:]))
+    b, n = order.shape
+    y = x.movedim((dim, 0), (0, 1))  # (N, B, ...): fairseq's own layout for q, k, v, a view of it
+    rows = (order.t() * b + torch.arange(b, device=order.device)).reshape(-1)  # new (t, b) <- old (order[b, t], b)
+    out = y.reshape(n * b, -1).index_select(0, rows).view(y.shape)
+    return out.movedim((0, 1), (dim, 0))
 
 
 def over_real_tokens(fn):
