@@ -119,35 +119,51 @@ class _LAVOParallel(torch.autograd.Function):
         b, h, n, d = q.shape
         w = bias.shape[1]
         nw = tok.shape[1] // w
-        ct, scale = compute_dtype(q), 1.0 / math.sqrt(d)
-        qs = _windows(q, nw, w, ct).mul_(scale)
+        ct = compute_dtype(q)
+        qs = _windows(q, nw, w, ct).mul_(1.0 / math.sqrt(d))
         gw = _windows(grad, nw, w, ct)
         bases_ = bases.to(ct)
-        bb = _head_bases(bases_, b)
         tokw = tok.view(b, nw, w)
-        # F_global = (p ⊙ H) B with p = softmax(qb ⊙ H), qb = q B^T / sqrt(D) (eq. 4)
-        meanw = _per_window(mean, causal)
-        qb = torch.bmm(_flat(qs), bb.transpose(1, 2)).view(b, h, nw, w, -1)
-        pm = torch.softmax(qb * meanw, -1)
-        dwgt = scaled_bmm(_flat(gw), bb.transpose(1, 2), 0.5).view_as(qb)  # dL/d(p ⊙ H)
-        dbb = scaled_bmm(_flat(pm * meanw).transpose(1, 2), _flat(gw), 0.5)  # (B·H,r,D)
-        dlog = torch._softmax_backward_data(dwgt * meanw, pm, -1, pm.dtype)
-        dmean = dwgt.mul_(pm).addcmul_(dlog, qb).sum(3 if causal else (2, 3))
-        dqb = _flat(dlog.mul_(meanw))
-        dq = torch.bmm(dqb, bb).view_as(qs)
-        dbb.baddbmm_(dqb.transpose(1, 2), _flat(qs))
-        dbases = dbb.view(b, *bases.shape).sum(0)
+        dq, dbases, dmean = _global_backward(qs, gw, bases_, _per_window(mean, causal), causal)
         dwin = _memory_mean_grad(dmean, win, bases_, dbases, tokw, causal)  # dL/d(window sums of x)
-        # F_local
         dx = gw.mul_(coef.view(b, 1, -1, 1, 1)).addcmul_(_per_window(dwin, causal), tokw[:, None, :, :, None])
-        dx3 = dx.view(-1, w, d)
-        ks, vs = _seen(k, nw, w, causal, ct), _seen(v, nw, w, causal, ct)
-        p = _local_probs(qs, ks, bias, drop, keyless)
-        p3 = p.view(-1, w, p.shape[-1])
-        dv = _fold_seen(torch.bmm(p3.transpose(1, 2), dx3).view(b, h, nw, -1, d), w, causal)
-        ds = torch._softmax_backward_data(torch.bmm(dx3, vs.transpose(1, 2)), p3, -1, p.dtype)
-        dbias = ds.view_as(p).sum((0, 2))
-        dq.view(-1, w, d).baddbmm_(ds, ks).mul_(scale)
-        dk = _fold_seen(torch.bmm(ds.transpose(1, 2), qs.view(-1, w, d)).view(b, h, nw, -1, d), w, causal)
+        dk, dv, dbias = _local_backward(qs, dx, k, v, bias, drop, keyless, dq, causal)
         grads = (t.reshape(b, h, nw * w, d)[:, :, :n].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
         return (*grads, dbases.to(bases.dtype), dbias, None, None, None)
+
+
+def _global_backward(qs: Tensor, gw: Tensor, bases: Tensor, meanw: Tensor, causal: bool):
+    """Backward of 0.5 F_global = 0.5 (p ⊙ H) B, p = softmax(qb ⊙ H), qb = q B^T / sqrt(D) (eq. 4), from the
+    output gradient gw (B,H,nw,w,D): dL/dq / sqrt(D) (B,H,nw,w,D), dL/dB (H,r,D) and dL/dH (B,H,nw|·,r)."""
+    b, h = qs.shape[:2]
+    bb = _head_bases(bases, b)
+    qb = torch.bmm(_flat(qs), bb.transpose(1, 2)).view(*qs.shape[:-1], -1)
+    pm = torch.softmax(qb * meanw, -1)
+    dwgt = scaled_bmm(_flat(gw), bb.transpose(1, 2), 0.5).view_as(qb)  # dL/d(p ⊙ H)
+    dbb = scaled_bmm(_flat(pm * meanw).transpose(1, 2), _flat(gw), 0.5)  # (B·H,r,D)
+    dlog = torch._softmax_backward_data(dwgt * meanw, pm, -1, pm.dtype)
+    dmean = dwgt.mul_(pm).addcmul_(dlog, qb).sum(3 if causal else (2, 3))
+    dqb = _flat(dlog.mul_(meanw))
+    dbb.baddbmm_(dqb.transpose(1, 2), _flat(qs))
+    return torch.bmm(dqb, bb).view_as(qs), dbb.view(b, *bases.shape).sum(0), dmean
+
+
+def _local_backward(qs: Tensor, dx: Tensor, k: Tensor, v: Tensor, bias: Tensor, drop: Tensor, keyless: Tensor,
+                    dq: Tensor, causal: bool):
+    """Backward of F_local = p V (LAVO §3.2-3.3) from dx (B,H,nw,w,D): adds dL/dq / sqrt(D) into dq (then scales
+    it to dL/dq) and gives dL/dk, dL/dv (B,H,nw,w,D) and dL/dbias (H,w,K). Each (B·H·nw, w, K) or (·, K, D)
+    temporary is dropped as soon as it is used (three at a time at most)."""
+    b, h, nw, w, d = qs.shape
+    ks, vs = _seen(k, nw, w, causal, qs.dtype), _seen(v, nw, w, causal, qs.dtype)
+    p = _local_probs(qs, ks, bias, drop, keyless).view(-1, w, ks.shape[1])
+    dx = dx.view(-1, w, d)
+    ds = torch.bmm(dx, vs.transpose(1, 2))  # dL/dp
+    del vs
+    ds.sub_((ds * p).sum(-1, keepdim=True)).mul_(p)  # dL/dscores: the softmax backward, in place
+    dv = torch.bmm(p.transpose(1, 2), dx)
+    del p, dx
+    dv = _fold_seen(dv.view(b, h, nw, -1, d), w, causal)
+    dq.view(-1, w, d).baddbmm_(ds, ks).mul_(1.0 / math.sqrt(d))
+    del ks
+    dk = _fold_seen(torch.bmm(ds.transpose(1, 2), qs.view(-1, w, d)).view(b, h, nw, -1, d), w, causal)
+    return dk, dv, ds.view(b, h, nw, w, -1).sum((0, 2))
