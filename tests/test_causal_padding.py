@@ -63,9 +63,11 @@ def test_causal_softmax_with_left_and_right_padding(gen):
     _check(gen, ops.softmax_attention, ops.softmax_attention_reference, 19)
 
 
+@pytest.mark.parametrize("impl", ["parallel", "looped"])
 @pytest.mark.parametrize("n,window,r", [(23, 4, 3), (10, 3, D), (5, 8, 2)])
-def test_causal_lavo_with_left_and_right_padding(gen, n, window, r):
+def test_causal_lavo_with_left_and_right_padding(gen, n, window, r, impl):
     bases = torch.linalg.qr(torch.randn(H, D, D, generator=gen, dtype=torch.float64))[0][..., :r].transpose(1, 2)
     pos_bias = 0.5 * torch.randn(H, 2 * window - 1, generator=gen, dtype=torch.float64)
     extra = (bases.contiguous().requires_grad_(), pos_bias.requires_grad_())
-    _check(gen, ops.lavo_attention, ops.lavo_attention_reference, n, extra=extra, window=window)
+    op = lambda *a, **k: ops.lavo_attention(*a, impl=impl, **k)
+    _check(gen, op, ops.lavo_attention_reference, n, extra=extra, window=window)

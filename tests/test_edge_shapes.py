@@ -3,12 +3,14 @@ landmarks, and a batch with a fully padded sequence. Outputs and gradients are f
 reference's values, a query with no visible key gets 0 (docs/design.md §1.1-1.2), and decoding token by token
 gives the full forward's rows."""
 import contextlib
+import functools
 
 import pytest
 import torch
 
 from fairseq_linattn.modules import build_attention
 from linattn.methods import METHODS
+from linattn.ops import forms
 
 E, H, B = 8, 2, 3
 CHUNK, WINDOW, LANDMARKS = 8, 4, 6  # LLN chunk; LAVO window and LLN+Diag block; Skyformer landmarks
@@ -19,9 +21,8 @@ LENGTHS = sorted({1, 2, WINDOW - 1, WINDOW, WINDOW + 1, CHUNK - 1, CHUNK, CHUNK 
 assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTHS)
 
 
-# The ops' fast forms, each a context in which the modules run that form. Today each op has one ("looped");
-# a form added later (e.g. "parallel") adds its name and the context that selects it.
-FORMS = {"looped": contextlib.nullcontext}
+# The ops' fast forms, each a context in which the modules (built with attention_impl "auto") run that form.
+FORMS = {"looped": contextlib.nullcontext, "parallel": functools.partial(forms.auto_on_cpu, "parallel")}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 

@@ -11,6 +11,7 @@ from ..windows import bmm_rows, flat_heads, group_rows, rows_view, store_rows
 from .inputs import _check_lavo
 from .looped import _band_bias, _Layout
 from .memory import _memory_mean, _memory_mean_grad
+from .parallel import _LAVOParallel
 
 
 class _LAVO(torch.autograd.Function):
@@ -113,11 +114,12 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
 
     q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D). Causal local attention uses
     blocks of w queries against (previous + own) window with a band mask; the causal memory is an
-    exclusive cumulative sum over windows of sum_t B x_t and of the token counts. Beyond the inputs it
-    holds the output, the gradients and working-size temporaries (see ``_LAVO``).
+    exclusive cumulative sum over windows of sum_t B x_t and of the token counts. ``impl`` (``forms``):
+    ``looped`` holds, beyond the inputs, the output, the gradients and working-size temporaries (``_LAVO``);
+    ``parallel`` all windows at once, (B,H,N,K) temporaries, K = 2w causal, w otherwise (``_LAVOParallel``).
     """
     w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
-    resolve_impl(impl, q.device)
+    parallel = resolve_impl(impl, q.device) == "parallel"
     b, n = q.shape[0], q.shape[2]
     ct = compute_dtype(q)
     nw = -(-n // w)
@@ -125,8 +127,10 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     valid = torch.arange(nw * w, device=q.device).expand(b, nw * w) < n
     if key_padding_mask is not None:
         valid = valid & ~F.pad(key_padding_mask, (0, pad), value=True)
+    bias = _band_bias(pos_bias.to(ct), w, causal)
+    if parallel:
+        return _LAVOParallel.apply(q, k, v, bases, bias, valid, valid.to(ct), causal)
     # padded keys need masking inside windows unless only causal queries past the end could see them
     masked = key_padding_mask is not None or (pad > 0 and not causal)
-    out = _LAVO.apply(q.to(ct), k.to(ct), v.to(ct), bases.to(ct), _band_bias(pos_bias.to(ct), w, causal),
-                      valid if masked else None, valid.to(ct), causal)
+    out = _LAVO.apply(q.to(ct), k.to(ct), v.to(ct), bases.to(ct), bias, valid if masked else None, valid.to(ct), causal)
     return out.to(q.dtype)

@@ -2,6 +2,7 @@
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import working_set
@@ -91,10 +92,9 @@ class _Layout:
 def _band_bias(pos_bias: Tensor, w: int, causal: bool) -> Tensor:
     """(H,w,K): P[j - t + w - 1] for query slot t, key slot j inside the band, -inf outside (LAVO §3.3).
 
-    Causal keys are [previous, own] window (K = 2w, offsets -w+1 .. 0); otherwise the own window (K = w).
+    Causal keys are [previous, own] window (K = 2w, offsets -w+1 .. 0, P[0 .. w-1] at key slots t+1 .. t+w);
+    otherwise the own window (K = w). Row t is a slice of P, -inf padded: a Toeplitz matrix (unfold, rows flipped).
     """
-    i = torch.arange(w, device=pos_bias.device)[:, None]
-    c = torch.arange(2 * w if causal else w, device=pos_bias.device)[None, :]
-    rel = c - w - i if causal else c - i  # j - t
-    band = (rel <= 0) & (rel > -w) if causal else torch.ones_like(rel, dtype=torch.bool)
-    return pos_bias[:, (rel + w - 1).clamp(0, 2 * w - 2)].masked_fill(~band, float("-inf"))
+    if causal:
+        pos_bias = F.pad(pos_bias[:, :w], (w, w - 1), value=float("-inf"))
+    return pos_bias.unfold(-1, 2 * w if causal else w, 1).flip(-2)
