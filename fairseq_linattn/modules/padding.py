@@ -1,6 +1,6 @@
 """Padding anywhere in a row: a method that counts positions runs over each row's real tokens, put first."""
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -8,25 +8,30 @@ from torch import Tensor
 from linattn import ops
 
 
-def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """(B, N) order putting each row's real tokens first (in their order), or None without a mask. Computed
-    whenever there is a mask (the identity where the real tokens already come first): whether a row needs it
-    is a tensor value, and branching on it would be a host sync."""
+def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+    """(order (B, N) putting each row's real tokens first, in their order; the mask in that order), or None without a
+    mask. Computed whenever there is a mask (the identity where the real tokens already come first): whether a row
+    needs it is a tensor value, and branching on it would be a host sync."""
     if key_padding_mask is None:
         return None
-    return torch.sort(key_padding_mask.to(torch.uint8), dim=1, stable=True).indices
+    mask, order = torch.sort(key_padding_mask.to(torch.uint8), dim=1, stable=True)
+    return order, mask.bool()
 
 
-def _tokens(x: Optional[Tensor], order: Tensor, dim: int = 2) -> Optional[Tensor]:
-    """x with its tokens (along ``dim``, batch on dim 0) in ``order`` (B, N). One ``index_select`` of (token, row)
-    pairs: its backward keeps only the index (``gather`` would keep all of x for backward)."""
-    if x is None:
-        return None
-    b, n = order.shape
+def _token_rows(order: Tensor) -> Tensor:
+    """(N·B,) rows of a (N, B, ...) tensor flattened to (N·B, ...): new (t, b) <- old (order[b, t], b)."""
+    b = order.shape[0]
+    return (order.t() * b + torch.arange(b, device=order.device)).reshape(-1)
+
+
+def _tokens(x: Tensor, rows: Tensor, dim: int = 2, back: bool = False) -> Tensor:
+    """x (batch on dim 0, tokens on ``dim``) with its tokens taken in the order of ``rows`` (``_token_rows``), or put
+    back where they came from (``back``). ``index_select`` / ``index_copy`` keep only the index for backward
+    (``gather`` would keep all of x)."""
     y = x.movedim((dim, 0), (0, 1))  # (N, B, ...): fairseq's own layout for q, k, v, a view of it
-    rows = (order.t() * b + torch.arange(b, device=order.device)).reshape(-1)  # new (t, b) <- old (order[b, t], b)
-    out = y.reshape(n * b, -1).index_select(0, rows).view(y.shape)
-    return out.movedim((0, 1), (dim, 0))
+    flat = y.reshape(rows.numel(), -1)
+    out = flat.new_empty(flat.shape).index_copy_(0, rows, flat) if back else flat.index_select(0, rows)
+    return out.view(y.shape).movedim((0, 1), (dim, 0))
 
 
 def over_real_tokens(fn):
@@ -35,12 +40,13 @@ def over_real_tokens(fn):
     output and real tokens are counted as fairseq counts their positions (docs/design.md §1.2)."""
     @functools.wraps(fn)
     def run(self, q, k, v, key_padding_mask=None, *args, **kwargs):
-        order = None if self.cross else _real_first_order(key_padding_mask)
-        if order is None:
+        reordered = None if self.cross else _real_first_order(key_padding_mask)
+        if reordered is None:
             return fn(self, q, k, v, key_padding_mask, *args, **kwargs)
-        out = fn(self, _tokens(q, order), _tokens(k, order), _tokens(v, order), _tokens(key_padding_mask, order, 1),
-                 *args, **kwargs)
-        return _tokens(out, order.argsort(1))
+        order, mask = reordered
+        rows = _token_rows(order)
+        out = fn(self, _tokens(q, rows), _tokens(k, rows), _tokens(v, rows), mask, *args, **kwargs)
+        return _tokens(out, rows, back=True)
     return run
 
 
@@ -49,11 +55,12 @@ def rows_over_real_tokens(fn):
     reordered tokens, put back in the tokens' own order (rows and columns)."""
     @functools.wraps(fn)
     def run(self, q, k, key_padding_mask=None, rows=None, lln=None):
-        order = None if self.cross else _real_first_order(key_padding_mask)
-        if order is None:
+        reordered = None if self.cross else _real_first_order(key_padding_mask)
+        if reordered is None:
             return fn(self, q, k, key_padding_mask, rows, lln)
-        p = fn(self, _tokens(q, order), _tokens(k, order), _tokens(key_padding_mask, order, 1), None, lln)
-        back = order.argsort(1)
-        p = _tokens(_tokens(p, back, 2), back, 3)
+        order, mask = reordered
+        token_rows = _token_rows(order)
+        p = fn(self, _tokens(q, token_rows), _tokens(k, token_rows), mask, None, lln)
+        p = _tokens(_tokens(p, token_rows, 2, back=True), token_rows, 3, back=True)
         return p[:, :, ops.select_rows(rows, q.shape[2], q.device)]
     return run

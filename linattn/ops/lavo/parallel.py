@@ -19,7 +19,7 @@ from .memory import _memory_mean, _memory_mean_grad
 def _windows(x: Tensor, nw: int, w: int, ct: torch.dtype) -> Tensor:
     """(B,H,N,C) -> (B,H,nw,w,C), a new contiguous tensor in ``ct``, zeros past N."""
     b, h, n, c = x.shape
-    return F.pad(x.to(ct), (0, 0, 0, nw * w - n)).view(b, h, nw, w, c)
+    return F.pad(x.to(ct), (0, 0, 0, nw * w - n)).contiguous().view(b, h, nw, w, c)  # pad and .to keep strides
 
 
 def _seen(x: Tensor, nw: int, w: int, causal: bool, ct: torch.dtype) -> Tensor:
