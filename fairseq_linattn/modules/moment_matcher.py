@@ -24,6 +24,7 @@ from linattn.ops.moment_matching import (
     exact_moment_table,
     lln_alpha_beta,
     load_constants,
+    stacked_alpha_beta,
 )
 
 _F64 = torch.float64
@@ -129,48 +130,51 @@ class MomentMatcher(nn.Module):
         return self
 
     def _batch_variances(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], reduce: bool,
-                         per_sequence: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-        """Variances of q and k entries over non-padded tokens and their count, each (G,), or (B, G) for
-        ``per_sequence``; with ``reduce`` (training) all-reduced, and a forward inside ``statistics_left_out``
-        adds nothing (variances 1 for no tokens)."""
+                         per_sequence: bool = False) -> Tuple[Tensor, Tensor]:
+        """Variances of q and k entries over non-padded tokens, stacked (2, G), or (2, B, G) for ``per_sequence``,
+        and their count (G,) or (B, G); with ``reduce`` (training) all-reduced, and a forward inside
+        ``statistics_left_out`` adds nothing (variances 1 for no tokens). Both stacked: fewer launches."""
         dims = (2, 3) if self.per_head else (1, 2, 3)
         dims, shape = (dims, (q.shape[0], -1)) if per_sequence else ((0,) + dims, (-1,))
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
-        moments = []
+        sums, squares = [], []
         for x in (q, k):
             x = x.detach().to(_F64)
             xw = x if keep is None else x * keep
-            moments += [xw.sum(dims).reshape(shape), (xw * x).sum(dims).reshape(shape)]
+            sums.append(xw.sum(dims).reshape(shape))
+            squares.append((xw * x).sum(dims).reshape(shape))
         tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2, 3))
         tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
-        count = tokens * q.shape[3] * (1 if self.per_head else q.shape[1])
-        moments.append(count.expand_as(moments[0]))
-        moments = torch.stack(moments)  # (5, G) or (5, B, G): sum q, sum q², sum k, sum k², count
+        count = (tokens * (q.shape[3] * (1 if self.per_head else q.shape[1]))).expand_as(sums[0])
+        moments = torch.stack([*sums, *squares, count])  # (5, G) or (5, B, G): sum q, k, sum q², k², count
         if reduce and _STATISTICS_LEFT_OUT.get():
             moments = torch.zeros_like(moments)  # a dummy batch: joins the all-reduce with nothing
         if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(moments)
         count = moments[4]
         n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
-        mean_q, mean_k = moments[0] / n, moments[2] / n
-        var_q, var_k = (moments[1] / n - mean_q ** 2).clamp_min(0), (moments[3] / n - mean_k ** 2).clamp_min(0)
-        return var_q.masked_fill(empty, 1.0), var_k.masked_fill(empty, 1.0), count
+        mean = moments[:2] / n
+        var = (moments[2:4] / n - mean ** 2).clamp_min(0)
+        return var.masked_fill(empty, 1.0), count
 
-    def _match(self, var_q: Tensor, var_k: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
-        sigma_q, sigma_k = var_q.to(_F64).sqrt().clamp_min(MIN_SIGMA), var_k.to(_F64).sqrt().clamp_min(MIN_SIGMA)
+    def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """alpha, beta (as ``forward``) from the variances of q and k stacked (2, ...)."""
+        sigma = var.to(_F64).sqrt().clamp_min(MIN_SIGMA)
         if self.mode == "off":
-            alpha, beta = torch.full_like(sigma_q, self.fixed_alpha), torch.full_like(sigma_q, self.fixed_beta)
+            ab = torch.tensor([self.fixed_alpha, self.fixed_beta], dtype=_F64, device=sigma.device)
+            ab = ab.view(2, *(1,) * (sigma.dim() - 1)).expand_as(sigma)
         elif self.mode == "exact":
-            alpha, beta = self.table.alpha_beta(sigma_q, sigma_k, self.max_scale)
+            ab = torch.stack(self.table.alpha_beta(sigma[0], sigma[1], self.max_scale))
         else:
-            alpha, beta = lln_alpha_beta(sigma_q, sigma_k, self.a, self.b, self.max_scale)
-        x = alpha ** 2 * sigma_q ** 2 + beta ** 2 * sigma_k ** 2
+            ab = stacked_alpha_beta(sigma, self.a, self.b, self.max_scale)
+        x = (ab ** 2 * sigma ** 2).sum(0)
         # eq. 11; the exact table replaces the line a x + b by the measured curve at s² = x / 2
         var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma_q, sigma_k, alpha, beta
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma[0], sigma[1], ab[0], ab[1]
         self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
-        shape = (sigma_q.shape[0] if sigma_q.dim() == 2 else 1, -1, 1, 1)  # (B, G) per sequence
-        return alpha.to(compute_dtype(like)).view(shape), beta.to(compute_dtype(like)).view(shape)
+        shape = (sigma.shape[1] if sigma.dim() == 3 else 1, -1, 1, 1)  # (B, G) per sequence
+        ab = ab.to(compute_dtype(like))
+        return ab[0].view(shape), ab[1].view(shape)
 
     def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, *,
                 peek: bool = False) -> Tuple[Tensor, Tensor]:
@@ -199,39 +203,40 @@ class MomentMatcher(nn.Module):
                     reduce: bool):
         if self.stats == "batch":
             if self.training:
-                var_q, var_k, count = self._batch_variances(q, k, key_padding_mask, reduce)
+                var, count = self._batch_variances(q, k, key_padding_mask, reduce)
                 if trained_on:
-                    self._fold(var_q, var_k, count, self.running_var_q, self.running_var_k)
-                return self._match(var_q, var_k, like=q)
+                    self._fold(var, count, self.running_var_q, self.running_var_k)
+                return self._match(var, like=q)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
-            # Chosen on the device, with no host sync: (B, G) either way
-            own_q, own_k = self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[:2]
-            seen = self.running_batches > 0
-            return self._match(torch.where(seen, self.running_var_q.to(_F64), own_q),
-                               torch.where(seen, self.running_var_k.to(_F64), own_k), like=q)
-        var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
+            # Chosen on the device, with no host sync: (2, B, G) either way
+            own = self._batch_variances(q, k, key_padding_mask, False, per_sequence=True)[0]
+            running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
+            return self._match(torch.where(self.running_batches > 0, running, own), like=q)
+        # the value from before this batch (a copy: the fold below updates the buffers in place)
+        alpha_beta = self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=q)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
             self._fold(*self._batch_variances(q, k, key_padding_mask, reduce), self.ema_var_q, self.ema_var_k)
-        return self._match(var_q, var_k, like=q)
+        return alpha_beta
 
-    def _fold(self, batch_q: Tensor, batch_k: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
-        """buf <- m buf + (1 - m) batch; ``batch`` stats: the running statistics' first batches are averaged
-        with equal weights (weight 1 / (n + 1) for the (n + 1)-th while it exceeds 1 - m), so that the
-        initial 1 leaves no trace."""
+    def _fold(self, batch: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
+        """buf <- m buf + (1 - m) batch (``batch``: q's and k's stacked); ``batch`` stats: the running statistics'
+        first batches are averaged with equal weights (weight 1 / (n + 1) for the (n + 1)-th while it exceeds
+        1 - m), so that the initial 1 leaves no trace."""
         # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
         # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
-        # nor is one without tokens (every rank on a dummy batch)
-        finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
+        # nor is one without tokens (every rank on a dummy batch). Variances are >= 0 or NaN: finite is < inf
+        finite = (batch < math.inf).all(0) & (count > 0)
         m = self.ema_momentum
         if self.stats == "batch":
             m = torch.clamp(1 - 1 / (self.running_batches.to(_F64) + 1), max=m)
             self.running_batches.add_(finite.all().long())
-        for buf, batch in ((buf_q, batch_q), (buf_k, batch_k)):
-            old = buf.to(_F64)
-            buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
+        old = torch.stack([buf_q, buf_k]).to(_F64)
+        new = torch.where(finite, m * old + (1 - m) * batch, old)
+        buf_q.copy_(new[0])
+        buf_k.copy_(new[1])
 
     @torch.no_grad()
     def current(self, like: Tensor) -> Tuple[Tensor, Tensor]:
@@ -242,6 +247,5 @@ class MomentMatcher(nn.Module):
         if self.stats != "ema" and self.mode != "off":
             raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
         if self.stats == "ema":
-            return self._match(self.ema_var_q, self.ema_var_k, like=like)
-        ones = torch.ones(1, dtype=_F64, device=like.device)
-        return self._match(ones, ones, like=like)
+            return self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=like)
+        return self._match(torch.ones(2, 1, dtype=_F64, device=like.device), like=like)
