@@ -9,6 +9,7 @@ import torch
 
 from fairseq_linattn.modules import build_attention
 from linattn.methods import METHODS
+from linattn.ops.forms import auto_form
 
 E, H, B = 8, 2, 3
 CHUNK, WINDOW, LANDMARKS = 8, 4, 6  # LLN chunk; LAVO window and LLN+Diag block; Skyformer landmarks
@@ -21,7 +22,7 @@ assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTH
 
 # The ops' fast forms, each a context in which the modules run that form. Today each op has one ("looped");
 # a form added later (e.g. "parallel") adds its name and the context that selects it.
-FORMS = {"looped": contextlib.nullcontext}
+FORMS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_form("parallel")}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 

@@ -23,3 +23,8 @@ def chunks(x: Tensor, c: int, value: float = 0.0) -> Tensor:
     if pad:
         x = F.pad(x, (0, 0, 0, pad), value=value)
     return x.unflatten(2, (-1, c))
+
+
+def rows(x: Tensor, n: int) -> Tensor:
+    """(B,H,nc,c,·) -> its first n rows (B,H,n,·): the inverse of ``chunks``."""
+    return x.flatten(2, 3)[:, :, :n]

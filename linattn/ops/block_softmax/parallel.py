@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..batched import bmm, chunks
+from ..batched import bmm, chunks, rows
 from ..precision import compute_dtype
 
 
@@ -44,7 +44,7 @@ def blocks_forward(q, k, v, hidden, bs, lln_out: Optional[Tensor] = None) -> Ten
         out = bmm(p, vb)
     else:
         out = bmm(p, vb, add=chunks(lln_out, bs), beta=0.5, alpha=0.5)
-    return out.flatten(2, 3)[:, :, :q.shape[2]]
+    return rows(out, q.shape[2])
 
 
 def blocks_backward(q, k, v, hidden, bs, grad, scale: float = 1.0):
@@ -58,5 +58,4 @@ def blocks_backward(q, k, v, hidden, bs, grad, scale: float = 1.0):
     dv = bmm(p.transpose(-1, -2), gb)
     if scale != 1:
         dv.mul_(scale)
-    rows = lambda x: x.flatten(2, 3)[:, :, :n]  # noqa: E731
-    return rows(bmm(ds, kb)), rows(bmm(ds.transpose(-1, -2), qb)), rows(dv)
+    return rows(bmm(ds, kb), n), rows(bmm(ds.transpose(-1, -2), qb), n), rows(dv, n)

@@ -95,6 +95,6 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    op = _LLNParallel if resolve_impl(impl, q.device) == "parallel" else _LLN
-    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, upcast=op is _LLN)
-    return op.apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)
+    parallel_form = resolve_impl(impl, q.device) == "parallel"
+    args = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, upcast=not parallel_form)
+    return (_LLNParallel if parallel_form else _LLN).apply(*args, causal, min(chunk_size, q.shape[2])).to(q.dtype)

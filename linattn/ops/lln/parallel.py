@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..batched import bmm, chunks
+from ..batched import bmm, chunks, rows
 from ..precision import compute_dtype
 from .features import _TINY, _finite_or_zero, _with_ones
 
@@ -118,7 +118,7 @@ def causal_forward(q, k, v, alpha, beta, mask, c):
     w = torch.tril(bmm(fq, fk.transpose(-1, -2)).mul_(_intra_scale(g, rho)))
     s = _overchunks(_prefix_weights(top, m_prev), bmm(fki.transpose(-1, -2), v1))  # S_c (B,H,nc,D,Dv+1)
     r = torch.exp(-rho)[..., None]
-    o = torch.addcmul(bmm(w, v1), bmm(fq, s), r).flatten(2, 3)[:, :, :n]
+    o = rows(torch.addcmul(bmm(w, v1), bmm(fq, s), r), n)
     den = o[..., -1:].clamp_min(_TINY)
     return o[..., :-1] / den, (top, m_incl, m_prev, g, rho, r, lse, s, den)
 
@@ -140,5 +140,4 @@ def causal_backward(q, k, v, alpha, beta, mask, state, c, out, grad):
     du = _overchunks(_prefix_weights(top, m_prev).transpose(-1, -2), bmm(fq.transpose(-1, -2), gor))  # dL/dU_c
     dv1 = bmm(fki, du, add=bmm(w.transpose(-1, -2), go))
     dbk = torch.addcmul(bmm(dqk.transpose(-1, -2), fq).mul_(fk), bmm(v1, du.transpose(-1, -2)), fki)
-    rows = lambda x: x.flatten(2, 3)[:, :, :n]  # noqa: E731
-    return rows(dfq.mul_(fq).mul_(alpha[..., None])), rows(dbk.mul_(beta[..., None])), rows(dv1[..., :-1])
+    return rows(dfq.mul_(fq).mul_(alpha[..., None]), n), rows(dbk.mul_(beta[..., None]), n), rows(dv1[..., :-1], n)
