@@ -5,6 +5,8 @@ key maxima, a softmax's row max) then makes every real key's feature underflow t
 reaches an output shows up at once, so a mask forgotten anywhere fails here even where it would only shift
 values that cancel with ordinary inputs.
 """
+import functools
+
 import pytest
 import torch
 from conftest import assert_same_values_and_grads, padding_mask
@@ -13,6 +15,7 @@ from linattn import ops
 
 B, H, D = 3, 2, 6
 HUGE = 1e3
+IMPLS = ["parallel", "looped"]  # the forms of LLN's, LLN+Diag's and block softmax's ops (linattn.ops.forms)
 
 
 def _mask(gen, n):
@@ -39,24 +42,29 @@ def _check(gen, op, reference, n, extra=(), **kw):
     assert_same_values_and_grads(out, ref, (q, k, v, *learnt), gen)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n,chunk_size", [(23, 4), (17, 1), (9, 64)])
-def test_causal_lln_with_left_and_right_padding(gen, n, chunk_size):
+def test_causal_lln_with_left_and_right_padding(gen, n, chunk_size, impl):
     alpha = torch.rand(1, H, 1, 1, generator=gen, dtype=torch.float64) + 0.5
     kw = dict(extra=(alpha, torch.tensor(0.8, dtype=torch.float64)))
-    op = lambda *a, **k: ops.lln_attention(*a, chunk_size=chunk_size, **k)
+    op = lambda *a, **k: ops.lln_attention(*a, chunk_size=chunk_size, impl=impl, **k)
     _check(gen, op, ops.lln_attention_reference, n, **kw)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mix", ["average", "learnable_ratio"])
-def test_causal_lln_diag_with_left_and_right_padding(gen, mix):
+def test_causal_lln_diag_with_left_and_right_padding(gen, mix, impl):
     r = torch.rand(H, D, generator=gen, dtype=torch.float64)
     kw = dict(block_size=5, chunk_size=4, mix=mix, r=r)
-    _check(gen, ops.lln_diag_attention, ops.lln_diag_attention_reference, 23, extra=(1.3, 0.7), **kw)
+    op = functools.partial(ops.lln_diag_attention, impl=impl)
+    _check(gen, op, ops.lln_diag_attention_reference, 23, extra=(1.3, 0.7), **kw)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n,block_size", [(23, 5), (7, 16)])
-def test_causal_block_softmax_with_left_and_right_padding(gen, n, block_size):
-    _check(gen, ops.block_softmax_attention, ops.block_softmax_attention_reference, n, block_size=block_size)
+def test_causal_block_softmax_with_left_and_right_padding(gen, n, block_size, impl):
+    op = functools.partial(ops.block_softmax_attention, impl=impl)
+    _check(gen, op, ops.block_softmax_attention_reference, n, block_size=block_size)
 
 
 def test_causal_softmax_with_left_and_right_padding(gen):

@@ -3,14 +3,13 @@ landmarks, and a batch with a fully padded sequence. Outputs and gradients are f
 reference's values, a query with no visible key gets 0 (docs/design.md §1.1-1.2), and decoding token by token
 gives the full forward's rows."""
 import contextlib
-import functools
 
 import pytest
 import torch
 
 from fairseq_linattn.modules import build_attention
 from linattn.methods import METHODS
-from linattn.ops import forms
+from linattn.ops.forms import auto_form
 
 E, H, B = 8, 2, 3
 CHUNK, WINDOW, LANDMARKS = 8, 4, 6  # LLN chunk; LAVO window and LLN+Diag block; Skyformer landmarks
@@ -21,8 +20,8 @@ LENGTHS = sorted({1, 2, WINDOW - 1, WINDOW, WINDOW + 1, CHUNK - 1, CHUNK, CHUNK 
 assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTHS)
 
 
-# The ops' fast forms, each a context in which the modules (built with attention_impl "auto") run that form.
-FORMS = {"looped": contextlib.nullcontext, "parallel": functools.partial(forms.auto_on_cpu, "parallel")}
+# The ops' two forms, each a context in which the modules (built with attention_impl "auto") run that form.
+FORMS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_form("parallel")}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 

@@ -150,8 +150,8 @@ from fairseq_linattn.modules.moment_matcher import MomentMatcher
 
 match = MomentMatcher._match
 
-def recording_match(self, var_q, var_k, like):
-    result = match(self, var_q, var_k, like)
+def recording_match(self, var, like):
+    result = match(self, var, like)
     if self.training:
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(os.path.join(os.environ["LINATTN_RECORD_DIR"], f"rank{rank}.jsonl"), "a") as f:

@@ -8,6 +8,8 @@ from conftest import assert_same_values_and_grads, padding_mask
 from linattn import ops
 from linattn.ops import working_set
 
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms); working passes concern ``looped`` only
+
 B, H, N, D, DV = 3, 3, 21, 5, 4
 
 
@@ -35,27 +37,29 @@ def passes(request, monkeypatch):
         monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)  # one row / one chunk per working pass
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", ["head", "batch_head", "scalar"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_lln_learnt_scales_match_reference_values_and_grads(gen, passes, shape, causal):
+def test_lln_learnt_scales_match_reference_values_and_grads(gen, passes, shape, causal, impl):
     q, k, v = _inputs(gen)
     alpha, beta = _scales(gen, shape)
     mask = _mask(gen)
-    out = ops.lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=mask, chunk_size=4)
+    out = ops.lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=mask, chunk_size=4, impl=impl)
     ref = ops.lln_attention_reference(q, k, v, alpha, beta, causal=causal, key_padding_mask=mask)
     assert_same_values_and_grads(out, ref, (q, k, v, alpha, beta), gen)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mix", ["average", "learnable_scale"])
 @pytest.mark.parametrize("shape", ["head", "scalar"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_lln_diag_learnt_scales_match_reference_values_and_grads(gen, mix, shape, causal):
+def test_lln_diag_learnt_scales_match_reference_values_and_grads(gen, mix, shape, causal, impl):
     q, k, v = _inputs(gen)
     alpha, beta = _scales(gen, shape)
     mask = _mask(gen)
     r, p = (torch.rand(H, DV, generator=gen, dtype=torch.float64) + 0.1 for _ in range(2))
     kw = dict(block_size=5, causal=causal, key_padding_mask=mask, chunk_size=4, mix=mix, r=r, p=p)
-    out = ops.lln_diag_attention(q, k, v, alpha, beta, **kw)
+    out = ops.lln_diag_attention(q, k, v, alpha, beta, **kw, impl=impl)
     ref = ops.lln_diag_attention_reference(q, k, v, alpha, beta, **kw)
     assert_same_values_and_grads(out, ref, (q, k, v, alpha, beta), gen)
 
@@ -75,13 +79,14 @@ def test_lln_decoding_with_learnt_scales_matches_causal_reference(gen, shape):
     assert_same_values_and_grads(torch.cat(steps, 2), ref, (q, k, v, alpha, beta), gen)
 
 
-def test_learnt_and_fixed_scales_give_the_same_output(gen):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_learnt_and_fixed_scales_give_the_same_output(gen, impl):
     """The learnt path (scales folded into q and k) and the constant path agree, so neither can swap them."""
     q, k, v = (t.detach() for t in _inputs(gen))
     alpha, beta = (t.detach() for t in _scales(gen, "head"))
     mask = _mask(gen)
     for causal in (False, True):
-        fixed = ops.lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=mask, chunk_size=4)
+        fixed = ops.lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=mask, chunk_size=4, impl=impl)
         learnt = ops.lln_attention(q, k, v, alpha.clone().requires_grad_(), beta.clone().requires_grad_(),
-                                   causal=causal, key_padding_mask=mask, chunk_size=4)
+                                   causal=causal, key_padding_mask=mask, chunk_size=4, impl=impl)
         torch.testing.assert_close(learnt, fixed, rtol=1e-10, atol=1e-12)

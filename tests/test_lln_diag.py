@@ -7,103 +7,114 @@ from util_memory import LargestTensor
 from linattn import ops
 from linattn.ops.lln_diag import mix_lln_diag
 
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms)
+
 
 def qkv(gen, b=2, h=3, n=33, d=8, dtype=torch.float64):
     return tuple(torch.randn(b, h, n, d, generator=gen, dtype=dtype) for _ in range(3))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n,block", [(1, 4), (7, 4), (63, 16), (65, 16), (257, 64), (20, 64)])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_block_softmax_matches_reference(gen, causal, n, block, side):
+def test_block_softmax_matches_reference(gen, causal, n, block, side, impl):
     q, k, v = qkv(gen, n=n)
     mask = padding_mask(2, n, side, gen)
-    out = ops.block_softmax_attention(q, k, v, block_size=block, causal=causal, key_padding_mask=mask)
+    out = ops.block_softmax_attention(q, k, v, block_size=block, causal=causal, key_padding_mask=mask, impl=impl)
     ref = ops.block_softmax_attention_reference(q, k, v, block_size=block, causal=causal, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     assert torch.isfinite(out).all()
 
 
-def test_block_softmax_keeps_blocks_apart(gen):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_block_softmax_keeps_blocks_apart(gen, impl):
     q, k, v = qkv(gen, n=40)
-    out = ops.block_softmax_attention(q, k, v, block_size=16)
+    out = ops.block_softmax_attention(q, k, v, block_size=16, impl=impl)
     v2 = v.clone()
     v2[:, :, 16:32] += 5  # the middle block only
-    out2 = ops.block_softmax_attention(q, k, v2, block_size=16)
+    out2 = ops.block_softmax_attention(q, k, v2, block_size=16, impl=impl)
     torch.testing.assert_close(out2[:, :, :16], out[:, :, :16])
     torch.testing.assert_close(out2[:, :, 32:], out[:, :, 32:])
     assert not torch.allclose(out2[:, :, 16:32], out[:, :, 16:32])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mix", ["average", "learnable_scale", "learnable_ratio"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [7, 65, 130])
-def test_lln_diag_matches_reference(gen, mix, causal, n):
+def test_lln_diag_matches_reference(gen, mix, causal, n, impl):
     q, k, v = qkv(gen, n=n)
     mask = padding_mask(2, n, "right" if causal else "left", gen)
     r = torch.rand(3, 8, generator=gen, dtype=torch.float64)
     p = torch.rand(3, 8, generator=gen, dtype=torch.float64)
     kw = dict(block_size=16, causal=causal, key_padding_mask=mask, chunk_size=32, mix=mix, r=r, p=p)
-    out = ops.lln_diag_attention(q, k, v, 1.1, 0.9, **kw)
+    out = ops.lln_diag_attention(q, k, v, 1.1, 0.9, **kw, impl=impl)
     ref = ops.lln_diag_attention_reference(q, k, v, 1.1, 0.9, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
 
 
-def test_lln_diag_average_is_the_mean_of_its_parts(gen):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lln_diag_average_is_the_mean_of_its_parts(gen, impl):
     q, k, v = qkv(gen, n=50)
-    out = ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=16)
+    out = ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=16, impl=impl)
     lln = ops.lln_attention_reference(q, k, v, 1.0, 1.0)
     diag = ops.block_softmax_attention_reference(q, k, v, block_size=16)
     torch.testing.assert_close(out, (lln + diag) / 2)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-def test_lln_diag_half_precision(gen, dtype, tol):
+def test_lln_diag_half_precision(gen, dtype, tol, impl):
     q, k, v = qkv(gen, n=100, d=32, dtype=torch.float32)
     mask = padding_mask(2, 100, "right", gen)
     half = [t.to(dtype) for t in (q, k, v)]
-    out = ops.lln_diag_attention(*half, 1.0, 1.0, block_size=32, causal=True, key_padding_mask=mask)
+    out = ops.lln_diag_attention(*half, 1.0, 1.0, block_size=32, causal=True, key_padding_mask=mask, impl=impl)
     ref = ops.lln_diag_attention_reference(*(t.double() for t in half), 1.0, 1.0, block_size=32,
                                            causal=True, key_padding_mask=mask)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) < tol
 
 
-def test_causal_lln_diag_ignores_future(gen):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_causal_lln_diag_ignores_future(gen, impl):
     q, k, v = (t.float() for t in qkv(gen, b=1, n=90, d=16))
-    out = ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=32, causal=True)
+    out = ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=32, causal=True, impl=impl)
     for j in [5, 31, 32, 60, 89]:
         k2, v2 = k.clone(), v.clone()
         k2[:, :, j] *= 10
         v2[:, :, j] *= 10
-        out2 = ops.lln_diag_attention(q, k2, v2, 1.0, 1.0, block_size=32, causal=True)
+        out2 = ops.lln_diag_attention(q, k2, v2, 1.0, 1.0, block_size=32, causal=True, impl=impl)
         assert ((out2[:, :, :j] - out[:, :, :j]).abs() <= 1e-6 * out[:, :, :j].abs().clamp_min(1e-3)).all()
 
 
-def test_lln_diag_gradcheck(gen):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lln_diag_gradcheck(gen, impl):
     q, k, v = (t.requires_grad_() for t in qkv(gen, b=1, h=1, n=10, d=3))
     r = torch.rand(1, 3, dtype=torch.float64, requires_grad=True)
     fn = lambda q, k, v, r: ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=4, causal=True, chunk_size=4,
-                                                   mix="learnable_ratio", r=r)
+                                                   mix="learnable_ratio", r=r, impl=impl)
     assert torch.autograd.gradcheck(fn, (q, k, v, r))
 
 
-def test_lln_diag_is_linear_in_memory():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lln_diag_is_linear_in_memory(impl):
     n = 2048
     q, k, v = (torch.randn(1, 1, n, 32, requires_grad=True) for _ in range(3))
     with LargestTensor() as probe:
-        ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=64, causal=True).sum().backward()
+        ops.lln_diag_attention(q, k, v, 1.0, 1.0, block_size=64, causal=True, impl=impl).sum().backward()
     assert probe.max_numel <= n * 64
 
 
-def test_lln_diag_rejects_bad_input():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lln_diag_rejects_bad_input(impl):
     q = torch.randn(1, 2, 5, 4)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
-        ops.lln_diag_attention(q, q, q, 1.0, 1.0, block_size=0)
+        ops.lln_diag_attention(q, q, q, 1.0, 1.0, block_size=0, impl=impl)
     with pytest.raises(ValueError, match="mix must be one of"):
-        ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="sum")
+        ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="sum", impl=impl)
     with pytest.raises(ValueError, match=r"needs p of shape \(H, Dv\)"):
-        ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="learnable_scale", r=torch.ones(2, 4))
+        ops.lln_diag_attention(q, q, q, 1.0, 1.0, mix="learnable_scale", r=torch.ones(2, 4), impl=impl)
 
 
 def test_mix_lln_diag_closed_forms_per_mode():

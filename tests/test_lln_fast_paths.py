@@ -7,6 +7,8 @@ from linattn import ops
 from linattn.ops import working_set
 from linattn.ops.lln import looped as lln_looped
 
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms); working passes concern ``looped`` only
+
 
 @pytest.fixture
 def small_passes(monkeypatch):
@@ -41,12 +43,13 @@ def test_lln_gradcheck_float64_in_many_passes(gen, small_passes, causal, n, chun
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_lln_learnt_scales_get_gradients(gen, causal):
+def test_lln_learnt_scales_get_gradients(gen, causal, impl):
     q, k, v = _inputs(gen, b=1, h=2, n=9)
     alpha = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
     beta = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
-    fn = lambda a, b: ops.lln_attention(q, k, v, a, b, causal=causal, chunk_size=4)
+    fn = lambda a, b: ops.lln_attention(q, k, v, a, b, causal=causal, chunk_size=4, impl=impl)
     assert torch.autograd.gradcheck(fn, (alpha, beta))
 
 
@@ -70,3 +73,28 @@ def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, mo
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-10)
     for fast, ref in zip(*grads):
         torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["lln", "causal_lln", "causal_lln_diag", "block_softmax"])
+def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
+    """LLN (both modes), LLN+Diag's fused average and block softmax in their parallel forms under
+    ``torch.compile(fullgraph=True, dynamic=True)``: values and gradients equal eager (one shape each)."""
+    q, k, v = (t.float().requires_grad_() for t in _inputs(gen, n=23))
+    mask = padding_mask(2, 23, "left", gen)
+    alpha = torch.tensor([1.3, 0.8, 1.1])[None, :, None, None]
+
+    def fn(q, k, v, mask, alpha):
+        kw = dict(key_padding_mask=mask, impl="parallel")
+        if op == "block_softmax":
+            return ops.block_softmax_attention(q, k, v, causal=False, block_size=5, **kw)
+        if op == "causal_lln_diag":
+            return ops.lln_diag_attention(q, k, v, alpha, 0.6, causal=True, chunk_size=4, block_size=5, **kw)
+        return ops.lln_attention(q, k, v, alpha, 0.6, causal=op == "causal_lln", chunk_size=4, **kw)
+
+    got = torch.compile(fn, fullgraph=True, dynamic=True)(q, k, v, mask, alpha)
+    want = fn(q, k, v, mask, alpha)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn(want.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

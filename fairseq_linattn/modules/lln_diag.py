@@ -23,10 +23,11 @@ class LLNDiagAttention(LLNAttention):
 
     @over_real_tokens
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
-        lln = self.lln(q, k, v, key_padding_mask)
-        diag = ops.block_softmax_attention(q, k, v, block_size=self.block_size, causal=self.causal,
-                                           key_padding_mask=key_padding_mask, impl=self.config.attention_impl)
-        return mix_lln_diag(lln, diag, self.mix, self.mix_r, self.mix_p)
+        """One op: ``average`` fuses both parts (one output, one set of gradients), the learnable mixes mix them."""
+        alpha, beta = self.matcher(q, k, key_padding_mask)
+        return ops.lln_diag_attention(q, k, v, alpha, beta, block_size=self.block_size, causal=self.causal,
+                                      key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, mix=self.mix,
+                                      r=self.mix_r, p=self.mix_p, impl=self.config.attention_impl)
 
     def step(self, q, k, v, key_padding_mask, state):
         """Softmax over the keys of the token's block, counted over the row's real tokens (as ``attend``): the

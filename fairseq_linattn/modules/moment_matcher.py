@@ -24,6 +24,7 @@ from linattn.ops.moment_matching import (
     exact_moment_table,
     lln_alpha_beta,
     load_constants,
+    stacked_alpha_beta,
 )
 
 _F64 = torch.float64
@@ -156,45 +157,50 @@ class MomentMatcher(nn.Module):
 
     def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False
                  ) -> Tensor:
-        """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum q², sum k, sum k², entries, over non-padded tokens."""
+        """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum k, sum q², sum k², entries, over non-padded tokens
+        (q's and k's stacked: fewer launches)."""
         dims = (2, 3) if self.per_head else (1, 2, 3)
         dims, shape = (dims, (q.shape[0], -1)) if per_sequence else ((0,) + dims, (-1,))
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
-        moments = []
+        sums, squares = [], []
         for x in (q, k):
             x = x.detach().to(_F64)
             xw = x if keep is None else x * keep
-            moments += [xw.sum(dims).reshape(shape), (xw * x).sum(dims).reshape(shape)]
+            sums.append(xw.sum(dims).reshape(shape))
+            squares.append((xw * x).sum(dims).reshape(shape))
         tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2, 3))
         tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
-        count = tokens * q.shape[3] * (1 if self.per_head else q.shape[1])
-        moments.append(count.expand_as(moments[0]))
-        return torch.stack(moments)
+        count = (tokens * (q.shape[3] * (1 if self.per_head else q.shape[1]))).expand_as(sums[0])
+        return torch.stack([*sums, *squares, count])
 
     @staticmethod
-    def _variances(moments: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """Variances of q and k entries and their count from ``_moments``; variance 1 where there is no token."""
+    def _variances(moments: Tensor) -> Tuple[Tensor, Tensor]:
+        """Variances of q's and k's entries stacked (2, ...) and their count, from ``_moments``; variance 1 where
+        there is no token."""
         count = moments[4]
         n, empty = count.clamp_min(1), count <= 0  # no token on any rank: variance 1, which an EMA does not fold in
-        mean_q, mean_k = moments[0] / n, moments[2] / n
-        var_q, var_k = (moments[1] / n - mean_q ** 2).clamp_min(0), (moments[3] / n - mean_k ** 2).clamp_min(0)
-        return var_q.masked_fill(empty, 1.0), var_k.masked_fill(empty, 1.0), count
+        mean = moments[:2] / n
+        var = (moments[2:4] / n - mean ** 2).clamp_min(0)
+        return var.masked_fill(empty, 1.0), count
 
-    def _match(self, var_q: Tensor, var_k: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
-        sigma_q, sigma_k = var_q.to(_F64).sqrt().clamp_min(MIN_SIGMA), var_k.to(_F64).sqrt().clamp_min(MIN_SIGMA)
+    def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """alpha, beta (as ``forward``) from the variances of q and k stacked (2, ...)."""
+        sigma = var.to(_F64).sqrt().clamp_min(MIN_SIGMA)
         if self.mode == "off":
-            alpha, beta = torch.full_like(sigma_q, self.fixed_alpha), torch.full_like(sigma_q, self.fixed_beta)
+            ab = torch.tensor([self.fixed_alpha, self.fixed_beta], dtype=_F64, device=sigma.device)
+            ab = ab.view(2, *(1,) * (sigma.dim() - 1)).expand_as(sigma)
         elif self.mode == "exact":
-            alpha, beta = self.table.alpha_beta(sigma_q, sigma_k, self.max_scale)
+            ab = torch.stack(self.table.alpha_beta(sigma[0], sigma[1], self.max_scale))
         else:
-            alpha, beta = lln_alpha_beta(sigma_q, sigma_k, self.a, self.b, self.max_scale)
-        x = alpha ** 2 * sigma_q ** 2 + beta ** 2 * sigma_k ** 2
+            ab = stacked_alpha_beta(sigma, self.a, self.b, self.max_scale)
+        x = (ab ** 2 * sigma ** 2).sum(0)
         # eq. 11; the exact table replaces the line a x + b by the measured curve at s² = x / 2
         var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma_q, sigma_k, alpha, beta
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma[0], sigma[1], ab[0], ab[1]
         self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
-        shape = (sigma_q.shape[0] if sigma_q.dim() == 2 else 1, -1, 1, 1)  # (B, G) per sequence
-        return alpha.to(compute_dtype(like)).view(shape), beta.to(compute_dtype(like)).view(shape)
+        shape = (sigma.shape[1] if sigma.dim() == 3 else 1, -1, 1, 1)  # (B, G) per sequence
+        ab = ab.to(compute_dtype(like))
+        return ab[0].view(shape), ab[1].view(shape)
 
     def forward(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, *,
                 peek: bool = False) -> Tuple[Tensor, Tensor]:
@@ -225,20 +231,20 @@ class MomentMatcher(nn.Module):
                 moments = self._training_moments(q, k, key_padding_mask)
                 if trained_on:
                     moments = self._record(moments)
-                return self._match(*self._variances(moments)[:2], like=q)
+                return self._match(self._variances(moments)[0], like=q)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
-            # Chosen on the device, with no host sync: (B, G) either way
-            own_q, own_k = self._variances(self._moments(q, k, key_padding_mask, per_sequence=True))[:2]
-            seen = self.running_batches > 0
-            return self._match(torch.where(seen, self.running_var_q.to(_F64), own_q),
-                               torch.where(seen, self.running_var_k.to(_F64), own_k), like=q)
-        var_q, var_k = self.ema_var_q.clone(), self.ema_var_k.clone()  # the value from before this batch
+            # Chosen on the device, with no host sync: (2, B, G) either way
+            own = self._variances(self._moments(q, k, key_padding_mask, per_sequence=True))[0]
+            running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
+            return self._match(torch.where(self.running_batches > 0, running, own), like=q)
+        # the value from before this batch (computed first: the fold below updates the buffers in place)
+        alpha_beta = self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=q)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
             self._record(self._training_moments(q, k, key_padding_mask))
-        return self._match(var_q, var_k, like=q)
+        return alpha_beta
 
     def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """``_moments`` of a training forward; none (variance 1) inside ``statistics_left_out``."""
@@ -266,21 +272,22 @@ class MomentMatcher(nn.Module):
         bufs = (self.running_var_q, self.running_var_k) if self.stats == "batch" else (self.ema_var_q, self.ema_var_k)
         self._fold(*self._variances(moments), *bufs)
 
-    def _fold(self, batch_q: Tensor, batch_k: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
-        """buf <- m buf + (1 - m) batch; ``batch`` stats: the running statistics' first batches are averaged
-        with equal weights (weight 1 / (n + 1) for the (n + 1)-th while it exceeds 1 - m), so that the
-        initial 1 leaves no trace."""
+    def _fold(self, batch: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
+        """buf <- m buf + (1 - m) batch (``batch``: q's and k's stacked); ``batch`` stats: the running statistics'
+        first batches are averaged with equal weights (weight 1 / (n + 1) for the (n + 1)-th while it exceeds
+        1 - m), so that the initial 1 leaves no trace."""
         # a batch with inf/NaN activations (an fp16 overflow, whose update the loss scaler skips)
         # is not folded in: a non-finite buffer would make every later alpha, beta and loss NaN;
-        # nor is one without tokens (every rank on a dummy batch)
-        finite = torch.isfinite(batch_q) & torch.isfinite(batch_k) & (count > 0)
+        # nor is one without tokens (every rank on a dummy batch). Variances are >= 0 or NaN: finite is < inf
+        finite = (batch < math.inf).all(0) & (count > 0)
         m = self.ema_momentum
         if self.stats == "batch":
             m = torch.clamp(1 - 1 / (self.running_batches.to(_F64) + 1), max=m)
             self.running_batches.add_(finite.all().long())
-        for buf, batch in ((buf_q, batch_q), (buf_k, batch_k)):
-            old = buf.to(_F64)
-            buf.copy_(torch.where(finite, m * old + (1 - m) * batch, old))
+        old = torch.stack([buf_q, buf_k]).to(_F64)
+        new = torch.where(finite, m * old + (1 - m) * batch, old)
+        buf_q.copy_(new[0])
+        buf_k.copy_(new[1])
 
     @torch.no_grad()
     def current(self, like: Tensor) -> Tuple[Tensor, Tensor]:
@@ -291,6 +298,5 @@ class MomentMatcher(nn.Module):
         if self.stats != "ema" and self.mode != "off":
             raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
         if self.stats == "ema":
-            return self._match(self.ema_var_q, self.ema_var_k, like=like)
-        ones = torch.ones(1, dtype=_F64, device=like.device)
-        return self._match(ones, ones, like=like)
+            return self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=like)
+        return self._match(torch.ones(2, 1, dtype=_F64, device=like.device), like=like)

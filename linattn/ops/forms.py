@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 IMPLS = ("auto", "parallel", "looped")
-_AUTO_ON_CPU = ["looped"]
+_AUTO = {}  # impl -> the form ``auto`` resolves to on every device, set by ``auto_form``
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -18,17 +18,18 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return _AUTO_ON_CPU[-1] if torch.device(device).type == "cpu" else "parallel"
+        return _AUTO.get("auto") or ("looped" if torch.device(device).type == "cpu" else "parallel")
     return impl
 
 
 @contextlib.contextmanager
-def auto_on_cpu(impl: str):
-    """Inside the block ``auto`` means ``impl`` on the CPU: runs modules built with ``auto`` in either form."""
-    if impl not in IMPLS[1:]:
-        raise ValueError(f"impl must be parallel or looped, got {impl!r}")
-    _AUTO_ON_CPU.append(impl)
+def auto_form(form: str):
+    """Inside, ``auto`` resolves to ``form`` on every device: tests run one form through modules built with the
+    default ``attention_impl``."""
+    if form not in ("parallel", "looped"):
+        raise ValueError(f"form must be parallel or looped, got {form!r}")
+    _AUTO["auto"] = form
     try:
         yield
     finally:
-        _AUTO_ON_CPU.pop()
+        _AUTO.pop("auto")

@@ -7,6 +7,7 @@ from torch import Tensor
 from ..forms import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..precision import autocast_off, compute_dtype
+from . import parallel
 from .looped import block_valid, blocks_backward_, blocks_forward_
 
 
@@ -30,6 +31,23 @@ class _BlockSoftmax(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _BlockSoftmaxParallel(torch.autograd.Function):
+    """Block-diagonal softmax, every block at once (``parallel``); q, k, v (B,H,N,·) in their own dtype (saved as
+    they are), hidden (B|1,1,nb,bs|1,bs) or None. The backward recomputes the probabilities."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, hidden, bs: int):
+        ctx.save_for_backward(q, k, v, hidden)
+        ctx.bs = bs
+        return parallel.blocks_forward(q, k, v, hidden, bs).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, hidden = ctx.saved_tensors
+        dq, dk, dv = parallel.blocks_backward(q, k, v, hidden, ctx.bs, grad)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
 @autocast_off
 def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64, causal: bool = False,
                             key_padding_mask: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
@@ -37,14 +55,17 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
 
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). Padded keys are masked inside blocks; causal adds
     a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time; beyond
-    the inputs it holds the output, the gradients and working-size temporaries (``_BlockSoftmax``).
+    the inputs it holds the output, the gradients and working-size temporaries (``_BlockSoftmax``, ``looped``),
+    or every block's (bs, bs) probabilities at once (``_BlockSoftmaxParallel``, ``parallel``).
     """
     check_qkv(q, k, v)
-    resolve_impl(impl, q.device)
+    impl = resolve_impl(impl, q.device)
     block_size = check_positive_int("block_size", block_size)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     n = q.shape[2]
     bs = min(block_size, n)
     ct = compute_dtype(q)
     valid = block_valid(key_padding_mask, n, bs, q.device)
+    if impl == "parallel":
+        return _BlockSoftmaxParallel.apply(q, k, v, parallel.hidden_keys(valid, bs, causal, q.device), bs)
     return _BlockSoftmax.apply(q.to(ct), k.to(ct), v.to(ct), valid, bs, causal).to(q.dtype)

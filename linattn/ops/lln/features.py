@@ -1,12 +1,13 @@
-"""Helpers shared by LLN's loops and its decoding: [v, 1] columns, safe division, non-finite shifts to 0."""
+"""Helpers shared by LLN's forms and its decoding: [v, 1] columns, safe division, non-finite shifts to 0."""
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 _TINY = 1e-30
 
 
 def _finite_or_zero(x: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
 def _divide(o: Tensor) -> Tensor:
@@ -16,4 +17,4 @@ def _divide(o: Tensor) -> Tensor:
 
 def _with_ones(v: Tensor) -> Tensor:
     """[v, 1]: the last column turns every value sum into the matching denominator sum."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    return F.pad(v, (0, 1), value=1.0)

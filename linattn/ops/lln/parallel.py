@@ -1,0 +1,143 @@
+"""LLN's parallel form (the GPU form): a fixed number of batched tensor ops whatever the length, no host sync.
+
+q, k (B,H,N,D), v (B,H,N,Dv) in the input dtype (upcast here: half inputs compute in float32), alpha, beta
+(B|1,H|1,1,1) in the compute dtype, mask (B,N) or None. The stabilisation is ``looped``'s (``lln/__init__``).
+
+Non-causal: all rows in one pass. Causal: all chunks of c rows at once, (B,H,nc,c,·): masked C×C products inside
+the chunks, the chunk states U_c, and the states before each chunk S_c = sum_{c' < c} T_cc' U_c' with
+T_cc' = exp(M_c' - M_(c-1)) per feature d (M: the running key maximum, so T <= 1): every prefix in one batched
+matmul over a (B,H,D,nc,nc) T (D (N/c)² values a head), where a scan would take 2 log2(nc) steps.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..batched import bmm, chunks, rows
+from ..precision import compute_dtype
+from .features import _TINY, _finite_or_zero, _with_ones
+
+
+def _scaled_keys(k: Tensor, beta: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """beta k in the compute dtype, -inf on padded keys (B,H,N,D)."""
+    bk = k.to(compute_dtype(k)) * beta
+    return bk if mask is None else bk.masked_fill(mask[:, None, :, None], float("-inf"))
+
+
+def _output_grad(grad: Tensor, out: Tensor, den: Tensor) -> Tensor:
+    """dL/d[numerator, denominator] (...,Dv+1) from dL/d(out) (...,Dv), out = numerator / den."""
+    return torch.cat([grad, -(grad * out).sum(-1, keepdim=True)], -1) / den
+
+
+# -- non-causal -----------------------------------------------------------------------------------------------------
+
+def _noncausal_features(q, k, alpha, beta, mask, m=None):
+    """phi_q (B,H,N,D), phi_k (B,H,S,D) (LLN eq. 8) shifted by the key maximum m (B,H,1,D) (computed if None)."""
+    bk = _scaled_keys(k, beta, mask)
+    if m is None:
+        m = _finite_or_zero(bk.amax(2, keepdim=True))
+    a = torch.addcmul(m, q.to(bk.dtype), alpha)  # alpha q + M: the query absorbs the keys' shift
+    return torch.exp(a - a.amax(-1, keepdim=True)), torch.exp(bk - m), m
+
+
+def noncausal_forward(q, k, v, alpha, beta, mask):
+    """out = phi_q S / phi_q z, S = sum_j phi_k v_j^T, z = sum_j phi_k (LLN eq. 9) -> (out, (m, s, den))."""
+    fq, fk, m = _noncausal_features(q, k, alpha, beta, mask)
+    s = bmm(fk.transpose(-1, -2), _with_ones(v.to(fk.dtype)))  # [S, z] (B,H,D,Dv+1)
+    o = bmm(fq, s)
+    den = o[..., -1:].clamp_min(_TINY)
+    return o[..., :-1] / den, (m, s, den)
+
+
+def noncausal_backward(q, k, v, alpha, beta, mask, state, grad):
+    """dq, dk, dv (compute dtype); the output is rebuilt from phi_q and S (one matmul)."""
+    m, s, den = state
+    fq, fk, _ = _noncausal_features(q, k, alpha, beta, mask, m)
+    o = bmm(fq, s)
+    go = _output_grad(grad.to(fq.dtype), o[..., :-1] / den, den)
+    ds = bmm(fq.transpose(-1, -2), go)  # [dL/dS, dL/dz]
+    dq = bmm(go, s.transpose(-1, -2)).mul_(fq).mul_(alpha)
+    v1 = _with_ones(v.to(fq.dtype))
+    dk = bmm(v1, ds.transpose(-1, -2)).mul_(fk).mul_(beta)
+    return dq, dk, bmm(fk, ds[..., :-1])
+
+
+# -- causal ---------------------------------------------------------------------------------------------------------
+
+def causal_shifts(k, beta, mask, c):
+    """The key shifts that use no future token (B,H,nc,D): M_c, the running max of beta k over chunks <= c
+    (-inf before any unpadded key), and its finite forms m_incl (M_c) and m_prev (M_(c-1)), 0 where -inf."""
+    bk = chunks(_scaled_keys(k, beta, mask), c, float("-inf"))
+    top = bk.amax(3).cummax(2).values
+    m_incl = _finite_or_zero(top)
+    return bk, top, m_incl, F.pad(m_incl[:, :, :-1], (0, 0, 1, 0))
+
+
+def _key_features(bk, m_incl, m_prev, g):
+    """phi_k referenced to m_prev and the key's own shift g, and to m_incl (B,H,nc,c,D), from beta k."""
+    return torch.exp(bk - m_prev[:, :, :, None] - g[..., None]), torch.exp(bk - m_incl[:, :, :, None])
+
+
+def _intra_scale(g, rho):
+    """e^(g_j - rho_i) (B,H,nc,c,c); g_j - rho_i <= 0 for j <= i, clamped above the diagonal (which tril drops)."""
+    return (g[..., None, :] - rho[..., :, None]).clamp_max_(0).exp_()
+
+
+def _prefix_weights(top, m_prev):
+    """T (B,H,D,nc,nc): T_cc' = exp(M_c' - M_(c-1)) for c' < c, else 0; M_c' = -inf (no key yet) gives 0."""
+    return torch.tril(torch.exp(top.transpose(-1, -2)[..., None, :] - m_prev.transpose(-1, -2)[..., :, None]), -1)
+
+
+def _overchunks(t: Tensor, x: Tensor) -> Tensor:
+    """t (B,H,D,nc,nc) applied along the chunks of x (B,H,nc,D,E) for each feature d -> (B,H,nc,D,E)."""
+    return bmm(t, x.transpose(2, 3).contiguous()).transpose(2, 3).contiguous()
+
+
+def _values(v, c):
+    """[v, 1] in the compute dtype as chunks (B,H,nc,c,Dv+1), 1 past the end (where phi_k is 0)."""
+    return F.pad(v.to(compute_dtype(v)), (0, 1, 0, -v.shape[2] % c), value=1.0).unflatten(2, (-1, c))
+
+
+def causal_forward(q, k, v, alpha, beta, mask, c):
+    """Chunked causal LLN -> (out (B,H,N,Dv), state for ``causal_backward``).
+
+    Inside a chunk W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i), j <= i, where g_j >= 0 is key j's excess over
+    the shift of the earlier chunks and rho_i the largest g_j of the keys query i sees; across chunks the
+    states S_c, read by each query as phi_q e^(-rho) S_c (LLN eq. 9; every shift cancels exactly).
+    """
+    n = q.shape[2]
+    bk, top, m_incl, m_prev = causal_shifts(k, beta, mask, c)
+    g = (bk - m_prev[:, :, :, None]).amax(-1).clamp_min_(0)  # a key's own scalar shift: its excess over m_prev
+    rho = g.cummax(-1).values  # per query: the largest shift among the keys it sees
+    fk, fki = _key_features(bk, m_incl, m_prev, g)
+    a = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(bk.dtype), c), alpha[..., None])
+    lse = a.amax(-1, keepdim=True)
+    fq = torch.exp(a.sub_(lse))
+    v1 = _values(v, c)
+    w = torch.tril(bmm(fq, fk.transpose(-1, -2)).mul_(_intra_scale(g, rho)))
+    s = _overchunks(_prefix_weights(top, m_prev), bmm(fki.transpose(-1, -2), v1))  # S_c (B,H,nc,D,Dv+1)
+    r = torch.exp(-rho)[..., None]
+    o = rows(torch.addcmul(bmm(w, v1), bmm(fq, s), r), n)
+    den = o[..., -1:].clamp_min(_TINY)
+    return o[..., :-1] / den, (top, m_incl, m_prev, g, rho, r, lse, s, den)
+
+
+def causal_backward(q, k, v, alpha, beta, mask, state, c, out, grad):
+    """dq, dk, dv (compute dtype) of causal LLN; the features rebuilt from the inputs and the state."""
+    top, m_incl, m_prev, g, rho, r, lse, s, den = state
+    n = q.shape[2]
+    bk = chunks(_scaled_keys(k, beta, mask), c, float("-inf"))
+    fk, fki = _key_features(bk, m_incl, m_prev, g)
+    fq = torch.exp(torch.addcmul(m_prev[:, :, :, None], chunks(q.to(bk.dtype), c), alpha[..., None]).sub_(lse))
+    v1 = _values(v, c)
+    e = _intra_scale(g, rho)
+    w = torch.tril(bmm(fq, fk.transpose(-1, -2)).mul_(e))
+    go = chunks(_output_grad(grad.to(fq.dtype), out.to(fq.dtype), den), c)  # 0 past the end
+    dqk = torch.tril(bmm(go, v1.transpose(-1, -2)).mul_(e))  # dL/d(phi_q phi_k^T) inside the chunks
+    gor = go * r  # the queries' part through S_c, read as phi_q e^(-rho)
+    dfq = bmm(gor, s.transpose(-1, -2), add=bmm(dqk, fk))
+    du = _overchunks(_prefix_weights(top, m_prev).transpose(-1, -2), bmm(fq.transpose(-1, -2), gor))  # dL/dU_c
+    dv1 = bmm(fki, du, add=bmm(w.transpose(-1, -2), go))
+    dbk = torch.addcmul(bmm(dqk.transpose(-1, -2), fq).mul_(fk), bmm(v1, du.transpose(-1, -2)), fki)
+    return rows(dfq.mul_(fq).mul_(alpha[..., None]), n), rows(dbk.mul_(beta[..., None]), n), rows(dv1[..., :-1], n)
