@@ -1,4 +1,4 @@
-"""The GPU shape of every module's training step, proved on the CPU (docs/design.md §1.5): launched ATen ops that do
+"""The GPU shape of every module's training step, proved on the CPU (docs/design.md §1.3): launched ATen ops that do
 not grow with the length in the parallel form, no host sync in any form, bf16 bytes saved for backward near
 softmax's, and a step on the ``meta`` device."""
 import pytest

@@ -1,4 +1,4 @@
-"""The two execution forms of every linear op (docs/design.md §1.5).
+"""The two execution forms of every linear op (docs/design.md §1.3).
 
 - ``parallel``: a number of batched tensor ops that does not grow with the length (beyond a log term), no host
   sync: the GPU form (each ATen op is at least one kernel launch there);

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# ops that read a tensor's values on the host (docs/design.md §1.5)
+# ops that read a tensor's values on the host (docs/design.md §1.3)
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item", "masked_select", "unique_dim",
                       "_unique2", "unique_consecutive", "repeat_interleave"})
 
