@@ -76,7 +76,7 @@ def causal_shifts(k, beta, mask, c):
 
 def _key_features(bk, m_incl, m_prev, g):
     """phi_k referenced to m_prev and the key's own shift g, and to m_incl (B,H,nc,c,D), from beta k."""
-    return torch.exp(bk - m_prev[:, :, :, None] - g[..., None]), torch.exp(bk - m_incl[:, :, :, None])
+    return (bk - m_prev[:, :, :, None]).sub_(g[..., None]).exp_(), (bk - m_incl[:, :, :, None]).exp_()
 
 
 def _intra_scale(g, rho):
@@ -84,9 +84,13 @@ def _intra_scale(g, rho):
     return (g[..., None, :] - rho[..., :, None]).clamp_max_(0).exp_()
 
 
-def _prefix_weights(top, m_prev):
-    """T (B,H,D,nc,nc): T_cc' = exp(M_c' - M_(c-1)) for c' < c, else 0; M_c' = -inf (no key yet) gives 0."""
-    return torch.tril(torch.exp(top.transpose(-1, -2)[..., None, :] - m_prev.transpose(-1, -2)[..., :, None]), -1)
+def _prefix_weights(top, m_prev, transposed: bool = False):
+    """T (B,H,D,nc,nc): T_cc' = exp(M_c' - M_(c-1)) for c' < c, else 0; M_c' = -inf (no key yet) gives 0.
+    ``transposed``: T^T, built as such (a transposed T would be copied by the batched matmul)."""
+    top, m_prev = top.transpose(-1, -2), m_prev.transpose(-1, -2)
+    if transposed:
+        return (top[..., :, None] - m_prev[..., None, :]).exp_().triu_(1)
+    return (top[..., None, :] - m_prev[..., :, None]).exp_().tril_(-1)
 
 
 def _overchunks(t: Tensor, x: Tensor) -> Tensor:
@@ -108,17 +112,25 @@ def causal_forward(q, k, v, alpha, beta, mask, c):
     """
     n = q.shape[2]
     bk, top, m_incl, m_prev = causal_shifts(k, beta, mask, c)
-    g = (bk - m_prev[:, :, :, None]).amax(-1).clamp_min_(0)  # a key's own scalar shift: its excess over m_prev
-    rho = g.cummax(-1).values  # per query: the largest shift among the keys it sees
-    fk, fki = _key_features(bk, m_incl, m_prev, g)
-    a = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(bk.dtype), c), alpha[..., None])
-    lse = a.amax(-1, keepdim=True)
-    fq = torch.exp(a.sub_(lse))
     v1 = _values(v, c)
-    w = torch.tril(bmm(fq, fk.transpose(-1, -2)).mul_(_intra_scale(g, rho)))
-    s = _overchunks(_prefix_weights(top, m_prev), bmm(fki.transpose(-1, -2), v1))  # S_c (B,H,nc,D,Dv+1)
+    # the states first, while few temporaries are alive (each one below is dropped once used: the peak memory
+    # stays a few (N, D) tensors beside the (D, nc, nc) prefix weights)
+    u = bmm((bk - m_incl[:, :, :, None]).exp_().transpose(-1, -2), v1)  # U_c: phi_k referenced to m_incl
+    s = _overchunks(_prefix_weights(top, m_prev), u)  # S_c (B,H,nc,D,Dv+1)
+    del u
+    fk = bk.sub_(m_prev[:, :, :, None])  # in place: beta k is not needed again
+    g = fk.amax(-1).clamp_min_(0)  # a key's own scalar shift: its excess over m_prev
+    rho = g.cummax(-1).values  # per query: the largest shift among the keys it sees
+    fk = fk.sub_(g[..., None]).exp_()  # phi_k referenced to m_prev and g (``_key_features``)
+    del bk
+    a = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(fk.dtype), c), alpha[..., None])
+    lse = a.amax(-1, keepdim=True)
+    fq = a.sub_(lse).exp_()
+    w = bmm(fq, fk.transpose(-1, -2)).mul_(_intra_scale(g, rho)).tril_()
+    del fk
     r = torch.exp(-rho)[..., None]
     o = rows(torch.addcmul(bmm(w, v1), bmm(fq, s), r), n)
+    del w, v1, fq
     den = o[..., -1:].clamp_min(_TINY)
     return o[..., :-1] / den, (top, m_incl, m_prev, g, rho, r, lse, s, den)
 
@@ -127,17 +139,29 @@ def causal_backward(q, k, v, alpha, beta, mask, state, c, out, grad):
     """dq, dk, dv (compute dtype) of causal LLN; the features rebuilt from the inputs and the state."""
     top, m_incl, m_prev, g, rho, r, lse, s, den = state
     n = q.shape[2]
+    # every temporary is dropped once used (``del``), and the (D, nc, nc) prefix weights are built while few others
+    # are alive: the backward's peak memory stays a few (N, D) tensors
+    fq = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(s.dtype), c), alpha[..., None]).sub_(lse).exp_()
+    go = chunks(_output_grad(grad.to(fq.dtype), out.to(fq.dtype), den), c)  # 0 past the end
+    gor = go * r  # the queries' part through S_c, read as phi_q e^(-rho)
+    du = _overchunks(_prefix_weights(top, m_prev, transposed=True), bmm(fq.transpose(-1, -2), gor))  # dL/dU_c
+    dfq = bmm(gor, s.transpose(-1, -2))
+    del gor
     bk = chunks(_scaled_keys(k, beta, mask), c, float("-inf"))
     fk, fki = _key_features(bk, m_incl, m_prev, g)
-    fq = torch.exp(torch.addcmul(m_prev[:, :, :, None], chunks(q.to(bk.dtype), c), alpha[..., None]).sub_(lse))
+    del bk
     v1 = _values(v, c)
     e = _intra_scale(g, rho)
-    w = torch.tril(bmm(fq, fk.transpose(-1, -2)).mul_(e))
-    go = chunks(_output_grad(grad.to(fq.dtype), out.to(fq.dtype), den), c)  # 0 past the end
-    dqk = torch.tril(bmm(go, v1.transpose(-1, -2)).mul_(e))  # dL/d(phi_q phi_k^T) inside the chunks
-    gor = go * r  # the queries' part through S_c, read as phi_q e^(-rho)
-    dfq = bmm(gor, s.transpose(-1, -2), add=bmm(dqk, fk))
-    du = _overchunks(_prefix_weights(top, m_prev).transpose(-1, -2), bmm(fq.transpose(-1, -2), gor))  # dL/dU_c
+    dqk = bmm(go, v1.transpose(-1, -2)).mul_(e).tril_()  # dL/d(phi_q phi_k^T) inside the chunks
+    dfq = bmm(dqk, fk, add=dfq)
+    w = bmm(fq, fk.transpose(-1, -2)).mul_(e).tril_()
+    del e
     dv1 = bmm(fki, du, add=bmm(w.transpose(-1, -2), go))
+    del w, go
+    dv = rows(dv1[..., :-1], n)
+    del dv1
     dbk = torch.addcmul(bmm(dqk.transpose(-1, -2), fq).mul_(fk), bmm(v1, du.transpose(-1, -2)), fki)
-    return rows(dfq.mul_(fq).mul_(alpha[..., None]), n), rows(dbk.mul_(beta[..., None]), n), rows(dv1[..., :-1], n)
+    del dqk, fk, fki, v1, du
+    dk = rows(dbk.mul_(beta[..., None]), n)
+    del dbk
+    return rows(dfq.mul_(fq).mul_(alpha[..., None]), n), dk, dv
