@@ -7,7 +7,8 @@ from linattn import ops
 from linattn.ops.kernelized import kernelized_kernel_matrix
 from linattn.ops.kernelized.kernel import gaussian_kernel
 from linattn.ops.skyformer import skyformer_kernel_matrix
-from linattn.ops.skyformer.nystrom import _landmark_indices, newton_schulz_inverse
+from linattn.ops.skyformer.inverse import newton_schulz_inverse
+from linattn.ops.skyformer.nystrom import _landmark_indices
 
 
 def spectral(x: torch.Tensor) -> torch.Tensor:
