@@ -3,11 +3,13 @@ landmarks, and a batch with a fully padded sequence. Outputs and gradients are f
 reference's values, a query with no visible key gets 0 (docs/design.md §1.1-1.2), and decoding token by token
 gives the full forward's rows."""
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
 
 from fairseq_linattn.modules import build_attention
+from linattn.config import AttentionConfig
 from linattn.methods import METHODS
 
 E, H, B = 8, 2, 3
@@ -19,9 +21,13 @@ LENGTHS = sorted({1, 2, WINDOW - 1, WINDOW, WINDOW + 1, CHUNK - 1, CHUNK, CHUNK 
 assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTHS)
 
 
-# The ops' fast forms, each a context in which the modules run that form. Today each op has one ("looped");
-# a form added later (e.g. "parallel") adds its name and the context that selects it.
-FORMS = {"looped": contextlib.nullcontext}
+# The ops' fast forms, each a context in which the modules run that form (the modules built before it).
+def _parallel():
+    """Every module's ``config.attention_impl`` reads "parallel" (a class property shadows the frozen field)."""
+    return mock.patch.object(AttentionConfig, "attention_impl", property(lambda self: "parallel"))
+
+
+FORMS = {"looped": contextlib.nullcontext, "parallel": _parallel}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 
