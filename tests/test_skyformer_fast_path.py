@@ -79,3 +79,25 @@ def test_iterative_inverse_gradcheck_with_unused_slots(gen, gamma):
     land = (0.7 * torch.randn(2, 2, 5, 3, generator=gen, dtype=torch.float64)).requires_grad_()
     used = torch.tensor([[True] * 5, [True, True, True, False, False]])
     assert torch.autograd.gradcheck(lambda x: _kernel_inverse(x, used, gamma, False), (land,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["skyformer", "kernelized"])
+def test_parallel_form_compiles_in_one_graph_and_equals_eager(gen, method):
+    """torch.compile(fullgraph=True, dynamic=True): no graph break, and values and gradients as eager (eval
+    landmarks: Inductor's random numbers are not eager's)."""
+    mask = padding_mask(2, 37, "right", gen)
+    if method == "skyformer":
+        fn = lambda q, k, v: ops.skyformer_attention(q, k, v, num_landmarks=6, key_padding_mask=mask,  # noqa: E731
+                                                     training=False, impl="parallel")
+    else:
+        fn = lambda q, k, v: ops.kernelized_attention(q, k, v, key_padding_mask=mask, impl="parallel")  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    q, k, v = (torch.randn(2, 3, 37, 8, generator=gen, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 3, 37, 8, generator=gen)
+    results = []
+    for f in (fn, compiled):
+        out = f(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), g)])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
