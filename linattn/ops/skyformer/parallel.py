@@ -19,9 +19,10 @@ def _scaled_rows(x: Tensor, ct: torch.dtype, pad2: Optional[Tensor]) -> Tensor:
 def _kernel_columns(xs: Tensor, land: Tensor, used4: Tensor) -> Tensor:
     """C = kappa(X_s, L) * used (B,H,2N,d): exp(X_s L^T - |X_s|²/2 - |L|²/2) (Skyformer §4.1), one baddbmm."""
     b, h, rows, dim = xs.shape
-    norms = (xs * xs).sum(-1, keepdim=True) + (land * land).sum(-1)[:, :, None, :]
-    c = torch.baddbmm(norms.flatten(0, 1), xs.flatten(0, 1), land.flatten(0, 1).mT, beta=-0.5)
-    return c.clamp_max_(0.0).exp_().view(b, h, rows, -1).mul_(used4)  # the exponent is <= 0 but for rounding
+    c = torch.baddbmm((land * land).sum(-1).flatten(0, 1)[:, None, :], xs.flatten(0, 1), land.flatten(0, 1).mT,
+                      beta=-0.5).view(b, h, rows, -1)
+    c = c.sub_((xs * xs).sum(-1, keepdim=True), alpha=0.5)
+    return c.clamp_max_(0.0).exp_().mul_(used4)  # the exponent is <= 0 but for rounding
 
 
 def _values(v: Tensor, ct: torch.dtype, pad: Optional[Tensor]) -> Tensor:
@@ -57,7 +58,9 @@ class _NystromRows(torch.autograd.Function):
         dv = c[:, :, n:] @ dt
         # dE = dC * C for C = exp(E), E = X_s L^T - |X_s|²/2 - |L|²/2 (Skyformer §4.1):
         # dX_s = dE L - rowsum(dE) X_s, dL = dE^T X_s - colsum(dE) L
-        de = torch.cat([g @ u.mT, vc @ dt.mT], dim=2).mul_(c).flatten(0, 1)
+        c[:, :, :n].mul_(g @ u.mT)  # C becomes dE in place
+        c[:, :, n:].mul_(vc @ dt.mT)
+        de = c.flatten(0, 1)
         xs3, land3 = xs.flatten(0, 1), land.flatten(0, 1)
         dland = torch.baddbmm(de.sum(-2)[..., None] * land3, de.mT, xs3, beta=-1).view(land.shape)
         dx = torch.baddbmm(de.sum(-1, keepdim=True) * xs3, de, land3, beta=-1).view(b, h, rows, dim)
