@@ -1,4 +1,5 @@
-"""Skyformer as an autograd op, in passes over rows of working size: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv)."""
+"""Skyformer as an autograd op: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); the looped form here (passes over rows
+of working size), the parallel form in ``parallel.py``."""
 from typing import Optional
 
 import torch

@@ -60,8 +60,8 @@ def newton_schulz_inverse(m_hat: Tensor, steps: int = NEWTON_STEPS) -> Tensor:
 
 class _KernelInverse(torch.autograd.Function):
     """M^-1 ≈ S Z S for M = kappa(L, L) * keep + gamma I, S = diag(M 1)^(-1/2) and Z the iteration's inverse of
-    A = S M S (Skyformer §4.4). land (B,H,d,D), keep (B,1,d,d) bool -> (B,H,d,d). Saves L, kappa(L, L), M, A,
-    Z, the iteration's tape and S: (2·steps + 5) (B,H,d,d) tensors."""
+    A = S M S (Skyformer §4.4). land (B,H,d,D), keep (B,1,d,d) bool -> (B,H,d,d). Saves L, S, kappa(L, L), M, A,
+    Z and the iteration's tape: 2·steps + 4 small (B,H,d,d) tensors."""
 
     @staticmethod
     def forward(ctx, land, keep, gamma: float, steps: int):
@@ -96,8 +96,9 @@ class _KernelInverse(torch.autograd.Function):
         dss = torch.addcmul(g * z, da, m)
         ds = torch.bmm(dss + dss.mT, s[:, :, None])
         dm = torch.add(da * ss, ds * s[:, :, None] ** 3, alpha=-0.5)
-        # M = kappa(L, L) ⊙ keep + gamma I; exponent E = L L^T - |L_i|²/2 - |L_j|²/2: dL = (dE + dE^T) L - ...
-        de = (dm.view(keep.shape[:1] + land.shape[1:2] + dm.shape[1:]) * keep).flatten(0, 1).mul_(e)
+        # M = kappa(L, L) ⊙ keep + gamma I, kappa = exp(E), E = L L^T - |L_i|²/2 - |L_j|²/2 (Skyformer §4.1):
+        # with G = dE + dE^T, dL = G L - rowsum(G) L
+        de = (dm.view(*land.shape[:2], *dm.shape[1:]) * keep).flatten(0, 1).mul_(e)
         de = de + de.mT
         dl = torch.baddbmm(de.sum(-1, keepdim=True) * l3, de, l3, beta=-1)
         return dl.view(land.shape), None, None, None

@@ -64,14 +64,15 @@ def _landmark_indices(valid: Tensor, num_landmarks: int, mode: str, generator, t
 
 
 def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-    """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D) in the
-    compute dtype. Padded rows count as 0 (an unused slot may point at one).
+    """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D).
+
+    Padded rows count as 0 (an unused slot may point at one).
     """
     b, h, n, dim = q.shape
     m = idx.shape[1]
     pick = lambda x, i: x.gather(2, i[:, None, :, None].expand(b, h, m, dim))
     land = torch.where((idx < n)[:, None, :, None], pick(q, idx.clamp_max(n - 1)), pick(k, (idx - n).clamp_min(0)))
-    land = land.to(compute_dtype(q)) * kernel_scale(q)
+    land = land * kernel_scale(q)
     if key_padding_mask is not None:
         land = land.masked_fill(key_padding_mask.gather(1, idx % n)[:, None, :, None], 0.0)
     return land
