@@ -8,6 +8,7 @@ from ..forms import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..precision import autocast_off
 from .kernel import _exact_kernel, _prepare, check_non_causal
+from .parallel import kernelized_sdpa
 
 
 @autocast_off
@@ -16,15 +17,17 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: O
                          impl: str = "auto") -> Tensor:
     """out = C V, C_ij = exp(q_i·k_j - |q_i|²/2 - |k_j|²/2) on q, k scaled by D^(-1/4).
 
-    q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Exact (quadratic by nature); computed in
-    blocks of ``chunk_size`` query rows so the forward holds at most chunk_size×S kernel entries.
+    q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Exact (quadratic by nature). ``looped``: blocks of
+    ``chunk_size`` query rows, so the forward holds at most chunk_size×S kernel entries; ``parallel``: one
+    ``scaled_dot_product_attention`` call on augmented inputs (``kernelized_sdpa``; chunk_size unused).
     Padded keys' columns of C are zero.
     """
     check_non_causal("kernelized", "exact Gaussian-kernel attention over the whole sequence", causal)
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    resolve_impl(impl, q.device)
+    if resolve_impl(impl, q.device) == "parallel":
+        return kernelized_sdpa(q, k, v, key_padding_mask)
     qs, ks, v = _prepare(q, k, v, key_padding_mask)
     out = [_exact_kernel(qc, ks, key_padding_mask) @ v for qc in qs.split(chunk_size, dim=2)]
     return torch.cat(out, dim=2).to(q.dtype)

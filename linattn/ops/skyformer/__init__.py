@@ -14,5 +14,6 @@ Landmarks (decisions where the paper is silent):
   eval (``training=False``): evenly spaced valid rows (deterministic; ``generator`` unused).
 """
 from .autograd import skyformer_attention
-from .nystrom import GAMMA, MODES, NEWTON_STEPS
+from .inverse import NEWTON_STEPS
+from .nystrom import GAMMA, MODES
 from .reference import skyformer_attention_reference, skyformer_kernel_matrix

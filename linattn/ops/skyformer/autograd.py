@@ -1,4 +1,5 @@
-"""Skyformer as an autograd op, in passes over rows of working size: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv)."""
+"""Skyformer as an autograd op: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); the looped form here (passes over rows
+of working size), the parallel form in ``parallel.py``."""
 from typing import Optional
 
 import torch
@@ -8,7 +9,17 @@ from .. import working_set
 from ..forms import resolve_impl
 from ..kernelized.kernel import kernel_scale
 from ..precision import autocast_off
-from .nystrom import GAMMA, _check_args, _kernel_input_grad, _kernel_inverse, _kernel_rows, _landmark_setup, _landmarks
+from .nystrom import (
+                      GAMMA,
+                      _check_args,
+                      _kernel_input_grad,
+                      _kernel_inverse,
+                      _kernel_rows,
+                      _landmark_rows,
+                      _landmark_setup,
+                      _landmarks,
+)
+from .parallel import skyformer_parallel
 
 
 class _NystromApply(torch.autograd.Function):
@@ -94,7 +105,9 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
     Half inputs compute in float32 (the iteration needs it) and return the input dtype.
     """
     key_padding_mask = _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma)
-    resolve_impl(impl, q.device)
+    if resolve_impl(impl, q.device) == "parallel":
+        idx, used = _landmark_rows(q, key_padding_mask, num_landmarks, mode, generator, training)
+        return skyformer_parallel(q, k, v, idx, used, key_padding_mask, gamma, exact_inverse)
     q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
     out = _NystromApply.apply(q_, k_, v.to(q_.dtype), idx, used, key_padding_mask, gamma, exact_inverse)

@@ -8,10 +8,10 @@ from torch import Tensor
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..kernelized.kernel import check_non_causal, gaussian_kernel, kernel_scale
 from ..precision import compute_dtype
+from .inverse import kernel_inverse
 
 MODES = ("stratified", "uniform")
 GAMMA = 0.1  # ridge added to kappa(L, L) (Skyformer §4.4)
-NEWTON_STEPS = 6
 _WHAT = "Gaussian-kernel Nyström attention over the whole sequence"
 
 
@@ -63,19 +63,6 @@ def _landmark_indices(valid: Tensor, num_landmarks: int, mode: str, generator, t
     return torch.cat([idx_q, idx_k + n], dim=1), torch.cat([used_q, used_k], dim=1)
 
 
-def newton_schulz_inverse(m_hat: Tensor, steps: int = NEWTON_STEPS) -> Tensor:
-    """Approximate inverse of (...,d,d) m_hat by Z <- Z(13I - AZ(15I - AZ(7I - AZ)))/4 (Skyformer §4.4).
-
-    Z0 = A^T / (max column sum of |A|), one scalar per matrix.
-    """
-    eye = torch.eye(m_hat.shape[-1], dtype=m_hat.dtype, device=m_hat.device)
-    z = m_hat.transpose(-1, -2) / m_hat.abs().sum(-2).amax(-1)[..., None, None]
-    for _ in range(steps):
-        az = m_hat @ z
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
-    return z
-
-
 def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
     """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D).
 
@@ -95,20 +82,23 @@ def _kernel_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: boo
     """M^-1 (B,H,d,d) for M = kappa(L, L) + gamma I (Skyformer §4.4); unused slots an inert identity block."""
     eye = torch.eye(used.shape[1], dtype=land.dtype, device=land.device)
     keep = (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()
+    if not exact_inverse:
+        return kernel_inverse(land, keep, gamma)
     m = gaussian_kernel(land, land) * keep + gamma * eye  # M = kappa(L, L) + gamma I
-    if exact_inverse:
-        return torch.linalg.pinv(m, hermitian=True)
-    d_inv_sqrt = m.sum(-1).rsqrt()  # D_M = diag(M 1) > 0: every entry of M is positive
-    m_hat = m * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
-    return newton_schulz_inverse(m_hat) * d_inv_sqrt[..., :, None] * d_inv_sqrt[..., None, :]
+    return torch.linalg.pinv(m, hermitian=True)
+
+
+def _landmark_rows(q, key_padding_mask, num_landmarks, mode, generator, training) -> Tuple[Tensor, Tensor]:
+    """(landmark rows idx (B,d) of [Q; K], used (B,d) bool) among the non-padded tokens."""
+    b, _, n, _ = q.shape
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    return _landmark_indices(valid, num_landmarks, mode, generator, training)
 
 
 def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training):
     """(q, k in the compute dtype (padded keys 0), landmark rows idx (B,d) of [Q; K], used (B,d) bool)."""
-    b, _, n, _ = q.shape
+    idx, used = _landmark_rows(q, key_padding_mask, num_landmarks, mode, generator, training)
     ct = compute_dtype(q)
-    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
-    idx, used = _landmark_indices(valid, num_landmarks, mode, generator, training)
     q_, k_ = q.to(ct), k.to(ct)
     if key_padding_mask is not None:
         k_ = k_.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # whatever padded keys hold (even inf)
