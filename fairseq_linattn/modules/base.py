@@ -230,7 +230,8 @@ def is_future_mask(attn_mask: Tensor, t: int, s: int) -> bool:
         return False
     future = torch.ones(t, t, dtype=torch.bool, device=attn_mask.device).triu(1)
     if attn_mask.dtype == torch.bool:
-        return bool(torch.equal(attn_mask, future))
+        return bool(torch.equal(attn_mask, future))  # sync ok: only for a passed attn_mask (our models pass none)
     if not attn_mask.is_floating_point():
         return False
-    return bool(torch.equal(torch.isneginf(attn_mask), future) and (attn_mask.masked_fill(future, 0) == 0).all())
+    ok = torch.equal(torch.isneginf(attn_mask), future) and (attn_mask.masked_fill(future, 0) == 0).all()  # sync ok
+    return bool(ok)  # sync ok: only for a passed attn_mask, as above

@@ -59,9 +59,10 @@ def spectral_gap(P: Tensor, *, tol: Optional[float] = None) -> Tensor:
         raise ValueError(f"P must be at least 2x2 to have a second eigenvalue, got shape {tuple(P.shape)}")
     tol = max(1e-4, torch.finfo(P.dtype).eps) if tol is None else tol
     P64 = P.to(F64)
-    if bool((P64 < 0).any()):
-        raise ValueError(f"P must be row-stochastic (nonnegative entries), got min entry {P64.min().item():.3g}")
-    row_error = (P64.sum(-1) - 1.0).abs().max().item()
+    if bool((P64 < 0).any()):  # sync ok: analysis, not a training step
+        low = P64.min().item()  # sync ok: analysis, not a training step
+        raise ValueError(f"P must be row-stochastic (nonnegative entries), got min entry {low:.3g}")
+    row_error = (P64.sum(-1) - 1.0).abs().max().item()  # sync ok: analysis, not a training step
     if not row_error <= tol:
         raise ValueError(f"P must be row-stochastic (rows summing to 1 within {tol:g}), "
                          f"got a row sum off by {row_error:.3g}")
@@ -139,7 +140,7 @@ def lln_temperature(alpha, beta, sigma_q, sigma_k, a, b) -> Tensor:
     # LLN eq. 11
     sigma2 = a * (alpha ** 2 * sigma_q ** 2 + beta ** 2 * sigma_k ** 2) + b
     sigma2 = sigma2 if isinstance(sigma2, Tensor) else torch.tensor(sigma2, dtype=F64)
-    if not bool((sigma2 > 0).all()):
+    if not bool((sigma2 > 0).all()):  # sync ok: analysis, not a training step
         raise ValueError(f"a*(alpha^2 sigma_q^2 + beta^2 sigma_k^2) + b must be > 0 for a temperature, "
-                         f"got min {sigma2.min().item():.3g}")
+                         f"got min {sigma2.min().item():.3g}")  # sync ok: analysis, not a training step
     return sigma2.rsqrt()

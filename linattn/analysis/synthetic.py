@@ -56,7 +56,7 @@ def synthetic_curves(*, head_dim: int = 64, seq_len: int = 256, variances: Seque
                  "theory_log_p_mean": -math.log(seq_len) - variance ** 2 / 2}
         for method, P in _matrices(sigma * zq, sigma * zk, sigma, head_dim, seq_len).items():
             mean, var = log_moments(P)
-            point[method] = {name: value.mean().item() for name, value in (
+            point[method] = {name: value.mean().item() for name, value in (  # sync ok: analysis, not a training step
                 ("entropy", entropy(P)), ("spectral_gap", spectral_gap(P)), ("sparsity", sparsity(P)),
                 ("log_p_mean", mean), ("log_p_var", var))}
             if variance == float(histogram_variance):

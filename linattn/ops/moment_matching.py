@@ -79,7 +79,7 @@ def lln_alpha_beta(sigma_q, sigma_k, a: float = PAPER_A, b: float = PAPER_B, max
     sq, sk = _as_f64(sigma_q).clamp_min(MIN_SIGMA), _as_f64(sigma_k).clamp_min(MIN_SIGMA)
     s2 = (sq ** 2 * sk ** 2 - b) / (2 * a)  # Prop. 4.1 with eq. 10
     alpha, beta = _alpha_beta_from_s2(s2, sq, sk, max_scale)
-    return (alpha.item(), beta.item()) if numbers else (alpha, beta)
+    return (alpha.item(), beta.item()) if numbers else (alpha, beta)  # sync ok: numbers in, numbers out
 
 
 @torch.no_grad()
@@ -98,7 +98,8 @@ def lln_variance_log_p(alpha_sigma, head_dim: int, seq_len: int, *, num_matrices
     check_positive_int("num_matrices", num_matrices)
     check_positive_int("num_queries", num_queries)
     scales = _as_f64(alpha_sigma)
-    if scales.dim() > 1 or not bool(torch.all(scales > 0)) or not bool(torch.all(torch.isfinite(scales))):
+    valid = scales.dim() <= 1 and bool(((scales > 0) & torch.isfinite(scales)).all())  # sync ok: offline, CPU
+    if not valid:
         raise ValueError(f"alpha_sigma must be a float or 1-D, finite and > 0, got {alpha_sigma!r}")
     flat = scales.reshape(-1)
     gen = torch.Generator().manual_seed(seed)
@@ -115,7 +116,7 @@ def lln_variance_log_p(alpha_sigma, head_dim: int, seq_len: int, *, num_matrices
             fq, fk = torch.exp(s * zq), torch.exp(s * zk)  # phi_q, phi_k (eq. 8-9), shifted
             denom = fq @ fk.sum(1).unsqueeze(-1)  # (m, queries, 1): phi_q(q_i)^T sum_l phi_k(k_l)
             log_p = (fq @ fk.transpose(1, 2)).div_(denom).log_().add_(math.log(seq_len))
-            if not bool(torch.isfinite(log_p).all()):
+            if not bool(torch.isfinite(log_p).all()):  # sync ok: offline CPU measurement
                 raise ValueError(f"alpha_sigma = {s} is too large for a float64 measurement at D = {head_dim}")
             sums[0, i] += log_p.sum()
             sums[1, i] += log_p.square().sum()
@@ -142,7 +143,7 @@ def fit_moment_constants(head_dim: int, seq_len: int = 512, sigma_range: Tuple[f
     x = 2 * var_in  # sigma_q~² + sigma_k~²
     a = ((x - x.mean()) * (var_log_p - var_log_p.mean())).sum() / (x - x.mean()).square().sum()
     b = var_log_p.mean() - a * x.mean()
-    return a.item(), b.item()
+    return a.item(), b.item()  # sync ok: the fit is an offline CPU computation
 
 
 def load_constants(path: str) -> dict:
@@ -227,7 +228,7 @@ class ExactMomentTable:
         device = next((x.device for x in (sigma_q, sigma_k) if isinstance(x, Tensor)), None)
         sq, sk = _as_f64(sigma_q, device).clamp_min(MIN_SIGMA), _as_f64(sigma_k, device).clamp_min(MIN_SIGMA)
         alpha, beta = _alpha_beta_from_s2(self.s2_for_variance(sq ** 2 * sk ** 2), sq, sk, max_scale)
-        return (alpha.item(), beta.item()) if numbers else (alpha, beta)
+        return (alpha.item(), beta.item()) if numbers else (alpha, beta)  # sync ok: numbers in, numbers out
 
 
 @functools.lru_cache(maxsize=None)

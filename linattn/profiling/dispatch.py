@@ -1,5 +1,6 @@
 """Counts the ATen ops a piece of code dispatches: each non-view op is at least one kernel launch on a GPU,
-and each host sync (``.item()``, ``bool(t)``, boolean-mask indexing) stalls the stream until the GPU catches up."""
+and each host sync (``Tensor.item``, ``bool(t)``, boolean-mask indexing) stalls the stream until the GPU catches
+up."""
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -48,7 +48,7 @@ def lln_diag_attention_weights(q: Tensor, k: Tensor, alpha, beta, *, block_size:
     if mix == "learnable_ratio":
         return r_mean * lln + (1 - r_mean) * diag
     p_mean = p.to(lln.dtype).mean(-1)[None, :, None, None]
-    if not bool(((r_mean >= 0) & (p_mean >= 0) & (r_mean + p_mean > 0)).all()):
+    if not bool(((r_mean >= 0) & (p_mean >= 0) & (r_mean + p_mean > 0)).all()):  # sync ok: the reference
         raise ValueError("lln_diag mix 'learnable_scale' with negative mean weights r, p has no "
                          "row-stochastic attention matrix")
     return (r_mean * lln + p_mean * diag) / (r_mean + p_mean)
