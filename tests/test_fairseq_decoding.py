@@ -10,6 +10,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_data import USER_DIR
 
 from linattn.methods import methods_for
+from linattn_tools.recipes.selftest import decode as selftest_decode
 
 # small windows, blocks and chunks so that 16 tokens cross several; LLN's alpha != beta
 METHOD_ARGS = ["--lln-chunk-size", "4", "--lln-diag-block-size", "4", "--lavo-window", "4",
@@ -46,13 +47,8 @@ def spread_parameters(model, gen) -> None:
 
 
 def padded_tokens(task, gen, batch=3, t=16):
-    """Row 0 left-padded, row 1 right-padded, row 2 padded on both sides and in the middle."""
-    d = task.target_dictionary
-    tokens = torch.randint(d.nspecial, len(d), (batch, t), generator=gen)
-    tokens[0, : t // 2] = d.pad()
-    tokens[1, t - t // 3:] = d.pad()
-    tokens[2, :2] = tokens[2, t // 2] = tokens[2, -1] = d.pad()
-    return tokens
+    """Row 0 left-padded, row 1 right-padded, row 2 padded on both sides and in the middle (the self-test's rows)."""
+    return selftest_decode.padded_tokens(task.target_dictionary, gen, batch, t)
 
 
 def decode(decoder, tokens, order=None, switch_at=0, **kw):
