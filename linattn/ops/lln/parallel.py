@@ -25,9 +25,10 @@ def _scaled_keys(k: Tensor, beta: Tensor, mask: Optional[Tensor]) -> Tensor:
     return bk if mask is None else bk.masked_fill(mask[:, None, :, None], float("-inf"))
 
 
-def _output_grad(grad: Tensor, out: Tensor, den: Tensor) -> Tensor:
-    """dL/d[numerator, denominator] (...,Dv+1) from dL/d(out) (...,Dv), out = numerator / den."""
-    return torch.cat([grad, -(grad * out).sum(-1, keepdim=True)], -1) / den
+def _output_grad(grad: Tensor, out: Tensor, den: Tensor, scale: float = 1.0) -> Tensor:
+    """dL/d[numerator, denominator] (...,Dv+1) from dL/d(scale out) (...,Dv), out = numerator / den; the scale
+    (a caller's weight, as LLN+Diag's 0.5) divides the small den, not the (N, Dv) gradient."""
+    return torch.cat([grad, -(grad * out).sum(-1, keepdim=True)], -1) / (den if scale == 1.0 else den / scale)
 
 
 # -- non-causal -----------------------------------------------------------------------------------------------------
@@ -50,12 +51,12 @@ def noncausal_forward(q, k, v, alpha, beta, mask):
     return o[..., :-1] / den, (m, s, den)
 
 
-def noncausal_backward(q, k, v, alpha, beta, mask, state, grad):
-    """dq, dk, dv (compute dtype); the output is rebuilt from phi_q and S (one matmul)."""
+def noncausal_backward(q, k, v, alpha, beta, mask, state, grad, scale: float = 1.0):
+    """dq, dk, dv (compute dtype) of scale x LLN; the output is rebuilt from phi_q and S (one matmul)."""
     m, s, den = state
     fq, fk, _ = _noncausal_features(q, k, alpha, beta, mask, m)
     o = bmm(fq, s)
-    go = _output_grad(grad.to(fq.dtype), o[..., :-1] / den, den)
+    go = _output_grad(grad.to(fq.dtype), o[..., :-1] / den, den, scale)
     ds = bmm(fq.transpose(-1, -2), go)  # [dL/dS, dL/dz]
     dq = bmm(go, s.transpose(-1, -2)).mul_(fq).mul_(alpha)
     v1 = _with_ones(v.to(fq.dtype))
@@ -66,17 +67,23 @@ def noncausal_backward(q, k, v, alpha, beta, mask, state, grad):
 # -- causal ---------------------------------------------------------------------------------------------------------
 
 def causal_shifts(k, beta, mask, c):
-    """The key shifts that use no future token (B,H,nc,D): M_c, the running max of beta k over chunks <= c
+    """The key shifts that use no future token, feature-major (B,H,D,nc) as the prefix weights need them (a
+    chunk-major layout would make T's batched matmul copy T): M_c, the running max of beta k over chunks <= c
     (-inf before any unpadded key), and its finite forms m_incl (M_c) and m_prev (M_(c-1)), 0 where -inf."""
     bk = chunks(_scaled_keys(k, beta, mask), c, float("-inf"))
-    top = bk.amax(3).cummax(2).values
+    top = bk.permute(0, 1, 4, 2, 3).amax(-1).cummax(-1).values
     m_incl = _finite_or_zero(top)
-    return bk, top, m_incl, F.pad(m_incl[:, :, :-1], (0, 0, 1, 0))
+    return bk, top, m_incl, F.pad(m_incl[..., :-1], (1, 0))
+
+
+def _per_chunk(m: Tensor) -> Tensor:
+    """A feature-major shift (B,H,D,nc) as a view that broadcasts over chunk rows (B,H,nc,1,D)."""
+    return m.transpose(-1, -2)[:, :, :, None]
 
 
 def _key_features(bk, m_incl, m_prev, g):
     """phi_k referenced to m_prev and the key's own shift g, and to m_incl (B,H,nc,c,D), from beta k."""
-    return (bk - m_prev[:, :, :, None]).sub_(g[..., None]).exp_(), (bk - m_incl[:, :, :, None]).exp_()
+    return (bk - _per_chunk(m_prev)).sub_(g[..., None]).exp_(), (bk - _per_chunk(m_incl)).exp_()
 
 
 def _intra_scale(g, rho):
@@ -87,7 +94,6 @@ def _intra_scale(g, rho):
 def _prefix_weights(top, m_prev, transposed: bool = False):
     """T (B,H,D,nc,nc): T_cc' = exp(M_c' - M_(c-1)) for c' < c, else 0; M_c' = -inf (no key yet) gives 0.
     ``transposed``: T^T, built as such (a transposed T would be copied by the batched matmul)."""
-    top, m_prev = top.transpose(-1, -2), m_prev.transpose(-1, -2)
     if transposed:
         return (top[..., :, None] - m_prev[..., None, :]).exp_().triu_(1)
     return (top[..., None, :] - m_prev[..., :, None]).exp_().tril_(-1)
@@ -115,15 +121,15 @@ def causal_forward(q, k, v, alpha, beta, mask, c):
     v1 = _values(v, c)
     # the states first, while few temporaries are alive (each one below is dropped once used: the peak memory
     # stays a few (N, D) tensors beside the (D, nc, nc) prefix weights)
-    u = bmm((bk - m_incl[:, :, :, None]).exp_().transpose(-1, -2), v1)  # U_c: phi_k referenced to m_incl
+    u = bmm((bk - _per_chunk(m_incl)).exp_().transpose(-1, -2), v1)  # U_c: phi_k referenced to m_incl
     s = _overchunks(_prefix_weights(top, m_prev), u)  # S_c (B,H,nc,D,Dv+1)
     del u
-    fk = bk.sub_(m_prev[:, :, :, None])  # in place: beta k is not needed again
+    fk = bk.sub_(_per_chunk(m_prev))  # in place: beta k is not needed again
     g = fk.amax(-1).clamp_min_(0)  # a key's own scalar shift: its excess over m_prev
     rho = g.cummax(-1).values  # per query: the largest shift among the keys it sees
     fk = fk.sub_(g[..., None]).exp_()  # phi_k referenced to m_prev and g (``_key_features``)
     del bk
-    a = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(fk.dtype), c), alpha[..., None])
+    a = torch.addcmul(_per_chunk(m_prev), chunks(q.to(fk.dtype), c), alpha[..., None])
     lse = a.amax(-1, keepdim=True)
     fq = a.sub_(lse).exp_()
     w = bmm(fq, fk.transpose(-1, -2)).mul_(_intra_scale(g, rho)).tril_()
@@ -135,14 +141,14 @@ def causal_forward(q, k, v, alpha, beta, mask, c):
     return o[..., :-1] / den, (top, m_incl, m_prev, g, rho, r, lse, s, den)
 
 
-def causal_backward(q, k, v, alpha, beta, mask, state, c, out, grad):
-    """dq, dk, dv (compute dtype) of causal LLN; the features rebuilt from the inputs and the state."""
+def causal_backward(q, k, v, alpha, beta, mask, state, c, out, grad, scale: float = 1.0):
+    """dq, dk, dv (compute dtype) of scale x causal LLN; the features rebuilt from the inputs and the state."""
     top, m_incl, m_prev, g, rho, r, lse, s, den = state
     n = q.shape[2]
     # every temporary is dropped once used (``del``), and the (D, nc, nc) prefix weights are built while few others
     # are alive: the backward's peak memory stays a few (N, D) tensors
-    fq = torch.addcmul(m_prev[:, :, :, None], chunks(q.to(s.dtype), c), alpha[..., None]).sub_(lse).exp_()
-    go = chunks(_output_grad(grad.to(fq.dtype), out.to(fq.dtype), den), c)  # 0 past the end
+    fq = torch.addcmul(_per_chunk(m_prev), chunks(q.to(s.dtype), c), alpha[..., None]).sub_(lse).exp_()
+    go = chunks(_output_grad(grad.to(fq.dtype), out.to(fq.dtype), den, scale), c)  # 0 past the end
     gor = go * r  # the queries' part through S_c, read as phi_q e^(-rho)
     du = _overchunks(_prefix_weights(top, m_prev, transposed=True), bmm(fq.transpose(-1, -2), gor))  # dL/dU_c
     dfq = bmm(gor, s.transpose(-1, -2))

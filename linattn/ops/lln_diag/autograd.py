@@ -64,11 +64,10 @@ class _LLNDiagAverageParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, alpha, beta, mask, hidden, lln, *state = ctx.saved_tensors
-        half = grad * 0.5
         if ctx.causal:
-            grads = lln_parallel.causal_backward(q, k, v, alpha, beta, mask, state, ctx.c, lln, half)
+            grads = lln_parallel.causal_backward(q, k, v, alpha, beta, mask, state, ctx.c, lln, grad, 0.5)
         else:
-            grads = lln_parallel.noncausal_backward(q, k, v, alpha, beta, mask, state, half)
+            grads = lln_parallel.noncausal_backward(q, k, v, alpha, beta, mask, state, grad, 0.5)
         diag = block_parallel.blocks_backward(q, k, v, hidden, ctx.bs, grad, 0.5)
         return (*(a.add_(b).to(x.dtype) for a, b, x in zip(grads, diag, (q, k, v))),
                 None, None, None, None, None, None, None)
