@@ -234,3 +234,29 @@ def test_the_malloc_default_applies_only_on_the_cpu():
     assert attention.parse_args(["--device", "cuda", "--malloc", "keep"]).malloc == "keep"
     assert model.parse_args(["--device", "cpu", "--malloc", "keep"]).malloc == "keep"
     assert model.parse_args(["--device", "cuda"]).malloc == "default"
+
+
+def test_parallel_targets_compare_each_op_with_sdpa_of_its_own_causality_at_16k():
+    """The parallel form's run is judged by its own budgets (not the CPU form's speed-ups): peak memory over the
+    SDPA series of the same causality at N = 16384, and op growth from 4096 to 16384."""
+    from linattn_tools.benchmark.attention import targets
+
+    def point(n, peak, ops):
+        return {"n": n, "status": "ok", "median_s": 1.0, "peak_bytes": peak, "aten_ops": ops}
+    res = {"config": {"impl": "parallel", "device": "cpu"},
+           "series": {"softmax": {"method": "softmax", "causal": False},
+                      "softmax causal": {"method": "softmax", "causal": True},
+                      "lln": {"method": "lln", "causal": False},
+                      "lln causal": {"method": "lln", "causal": True}},
+           "points": {"softmax": [point(4096, 10, 30), point(16384, 100, 30)],
+                      "softmax causal": [point(4096, 5, 30), point(16384, 50, 30)],  # causal SDPA: half the memory
+                      "lln": [point(4096, 20, 90), point(16384, 250, 90)],  # 2.5× SDPA: met
+                      "lln causal": [point(4096, 20, 90), point(16384, 200, 120)]}}  # 4× causal SDPA; ops grow
+    got = {t["target"]: (t["measured"], t["met"]) for t in targets(res)}
+    assert got["lln: peak memory ≤ 3× SDPA's at N=16384"] == ("2.50×", True)
+    assert got["lln causal: peak memory ≤ 3× SDPA's at N=16384"] == ("4.00×", False)
+    assert got["lln: ATen ops per call at N=16384 ≤ 1.25× those at N=4096"] == ("1.00×", True)
+    assert got["lln causal: ATen ops per call at N=16384 ≤ 1.25× those at N=4096"] == ("1.33×", False)
+    assert not any("softmax:" in t or "faster" in t for t in got)
+    res["config"].update(impl="looped", fit_range=[4096, 16384], sizes=[4096, 16384])  # the CPU form: speed-ups
+    assert any("faster than SDPA" in t["target"] for t in targets(res))

@@ -54,3 +54,24 @@ def test_training_step_runs_on_the_meta_device(method, role, form):
         x, mask = module_step_inputs(77, device="meta")
         step(module, x, mask)
     assert x.grad is not None and x.grad.device.type == "meta" and x.grad.shape == x.shape
+
+
+PEAK_TENSORS = 15  # the parallel form's peak, forward + backward, in (B,H,N,D) fp32 tensors: 3× SDPA's 5
+# (its output, dq, dk, dv, workspace; docs/benchmarks.md measures 243 MiB = 5.1 such tensors at H = 12)
+
+
+@pytest.mark.parametrize("method,causal", [("lln", True), ("lln_diag", True), ("lln", False), ("lln_diag", False),
+                                           ("lavo", True), ("lavo", False), ("skyformer", False)])
+def test_parallel_op_peak_memory_at_16k_stays_within_three_sdpa(method, causal):
+    """The op's peak memory at N = 16384 (fp32, one head) above its inputs: a (D, N/C, N/C) prefix copied by a
+    batched matmul, or a temporary kept alive through the backward, shows here (causal LLN held 17 before)."""
+    from linattn_tools.benchmark import attention, measure
+
+    args = attention.parse_args(["--heads", "1", "--impl", "parallel", "--malloc", "default", "--no-memory"])
+    x = attention.make_inputs(16384, args, torch.device("cpu"), torch.float32)
+
+    def call():
+        out, wrt = attention.forward(method, causal, x, args)
+        return torch.autograd.grad(out, wrt, x["grad"])
+    peak = measure.peak_memory_bytes(call, torch.device("cpu"))
+    assert peak <= PEAK_TENSORS * x["grad"].nbytes, peak / x["grad"].nbytes

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn.methods import benchmarked
-from linattn.ops.forms import IMPLS
+from linattn.ops.forms import IMPLS, resolve_impl
 from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
 
@@ -37,6 +37,7 @@ DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
 # (same N, same causality)
 MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
                   "lavo causal": 1.25, "skyformer": 1.5}
+PARALLEL_MEMORY_LIMIT = 3.0  # the parallel form's peak at N = 16384 over SDPA's (docs/design.md §1.3)
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
 QUICK = dict(sizes=[64, 128], heads=2, head_dim=16, repeats=1, min_repeats=1, warmup=1, point_seconds=1.0,
              chunk_size=16, block_size=16, lavo_window=16, lavo_bases=8, landmarks=16)
@@ -192,19 +193,55 @@ def _row(res: dict, name: str, n: int):
     return None
 
 
-def targets(res: dict) -> list:
-    """The benchmark's targets (speed-ups against SDPA, ``MEMORY_TARGETS``, the time cost of glibc's default
-    allocator) on this machine, from the measured medians (n/a when a point is missing)."""
+def _target_list():
+    """An empty target list and the function that appends one target to it."""
     out = []
+
+    def add(text, value, ok, fmt="{:.1f}×"):
+        out.append({"target": text, "measured": "n/a" if value is None else fmt.format(value),
+                    "met": value is not None and ok(value)})
+    return out, add
+
+
+def targets(res: dict) -> list:
+    """The targets of the run's execution form (``parallel_targets`` or the CPU form's below)."""
+    c = res["config"]
+    if resolve_impl(c.get("impl", "looped"), torch.device(c["device"])) == "parallel":
+        return parallel_targets(res)
+    return looped_targets(res)
+
+
+def parallel_targets(res: dict) -> list:
+    """The parallel form's budgets (docs/design.md §1.3): peak memory at N = 16384 at most
+    ``PARALLEL_MEMORY_LIMIT``× SDPA's (same causality), and ATen ops per call that do not grow from N = 4096 to
+    16384 (≤ 1.25×), for every op beside SDPA (n/a when a point is missing)."""
+    out, add = _target_list()
+    for name in res["points"]:
+        if res["series"][name]["method"] == "softmax":
+            continue
+        base = "softmax causal" if res["series"][name]["causal"] else "softmax"
+        ours, sdpa = _row(res, name, 16384), _row(res, base, 16384)
+        peaks = None if not (ours and sdpa and ours.get("peak_bytes") and sdpa.get("peak_bytes")) else (
+            ours["peak_bytes"] / sdpa["peak_bytes"])
+        add(f"{name}: peak memory ≤ {PARALLEL_MEMORY_LIMIT:g}× SDPA's at N=16384", peaks,
+            lambda x: x <= PARALLEL_MEMORY_LIMIT, "{:.2f}×")
+        small, large = _row(res, name, 4096), _row(res, name, 16384)
+        growth = None if not (small and large and small.get("aten_ops") and large.get("aten_ops")) else (
+            large["aten_ops"] / small["aten_ops"])
+        add(f"{name}: ATen ops per call at N=16384 ≤ 1.25× those at N=4096", growth, lambda x: x <= 1.25,
+            "{:.2f}×")
+    return out
+
+
+def looped_targets(res: dict) -> list:
+    """The CPU form's targets (speed-ups against SDPA, ``MEMORY_TARGETS``, the time cost of glibc's default
+    allocator) on this machine, from the measured medians (n/a when a point is missing)."""
+    out, add = _target_list()
 
     def ratio(a, b, n):
         """time of b / time of a: the speed-up of a over b."""
         ra, rb = _row(res, a, n), _row(res, b, n)
         return None if ra is None or rb is None else rb["median_s"] / ra["median_s"]
-
-    def add(text, value, ok, fmt="{:.1f}×"):
-        out.append({"target": text, "measured": "n/a" if value is None else fmt.format(value),
-                    "met": value is not None and ok(value)})
 
     add("non-causal LLN at N=8192 ≥ 30× faster than SDPA", ratio("lln", "softmax", 8192), lambda x: x >= 30)
     row = _row(res, "lln", 8192)
