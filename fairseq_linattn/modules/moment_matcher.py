@@ -3,7 +3,6 @@ q and k -> alpha, beta. The formulas are the pure functions of ``linattn.ops.mom
 this module keeps the state (EMA buffers), the train/eval behaviour and the all-reduce across ranks.
 """
 import contextlib
-import contextvars
 import math
 from typing import Optional, Tuple
 
@@ -28,8 +27,27 @@ from linattn.ops.moment_matching import (
 )
 
 _F64 = torch.float64
-_STATISTICS_LEFT_OUT = contextvars.ContextVar("linattn_statistics_left_out", default=False)
-_FOLDS_DEFERRED = contextvars.ContextVar("linattn_folds_deferred", default=False)
+
+
+class _TrainingFlags:
+    """The switches of the two context managers below: plain attributes, which ``torch.compile`` reads and guards
+    (``--attention-compile``: a ContextVar's ``get`` would break the graph in every training forward)."""
+
+    statistics_left_out = False
+    folds_deferred = False
+
+
+_FLAGS = _TrainingFlags()
+
+
+@contextlib.contextmanager
+def _flag_set(name: str):
+    before = getattr(_FLAGS, name)
+    setattr(_FLAGS, name, True)
+    try:
+        yield
+    finally:
+        setattr(_FLAGS, name, before)
 
 
 @contextlib.contextmanager
@@ -39,11 +57,8 @@ def statistics_left_out():
     For fairseq's dummy batches: a rank without data for an update runs a copy of a real batch with
     ``ignore_grad=True``, so that every rank reaches the same collectives.
     """
-    token = _STATISTICS_LEFT_OUT.set(True)
-    try:
+    with _flag_set("statistics_left_out"):
         yield
-    finally:
-        _STATISTICS_LEFT_OUT.reset(token)
 
 
 @contextlib.contextmanager
@@ -51,11 +66,8 @@ def folds_deferred():
     """Training forwards inside add their batch's moments to ``pending_moments`` instead of folding them into the
     running statistics at once; ``fold_pending`` folds them (fairseq's optimizer step, after one all-reduce of every
     layer's pending moments: ``fairseq_linattn.moment_sync``)."""
-    token = _FOLDS_DEFERRED.set(True)
-    try:
+    with _flag_set("folds_deferred"):
         yield
-    finally:
-        _FOLDS_DEFERRED.reset(token)
 
 
 class MomentMatcher(nn.Module):
@@ -249,12 +261,12 @@ class MomentMatcher(nn.Module):
     def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """``_moments`` of a training forward; none (variance 1) inside ``statistics_left_out``."""
         moments = self._moments(q, k, key_padding_mask)
-        return torch.zeros_like(moments) if _STATISTICS_LEFT_OUT.get() else moments
+        return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
     def _record(self, moments: Tensor) -> Tensor:
         """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or
         folded now, all-reduced first when torch.distributed is initialised (returned all-reduced)."""
-        if _FOLDS_DEFERRED.get():
+        if _FLAGS.folds_deferred:
             self.pending_moments.add_(moments)
             return moments
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -39,8 +39,10 @@ def _pick_rows(valid: Tensor, count: int, generator: Optional[torch.Generator],
     b, r = valid.shape
     m = min(count, r)
     if training:
-        device = generator.device if generator is not None else valid.device
-        scores = torch.rand(b, r, generator=generator, device=device).to(valid.device)
+        # no generator keyword without a generator: torch.compile cannot trace rand(..., generator=None) at a
+        # dynamic size (the modules' draws, under --attention-compile)
+        scores = (torch.rand(b, r, device=valid.device) if generator is None
+                  else torch.rand(b, r, generator=generator, device=generator.device).to(valid.device))
         top, idx = scores.masked_fill(~valid, -1.0).topk(m, dim=1)  # random keys: a uniform m-subset
         return idx, top >= 0
     n = valid.sum(1, keepdim=True)  # (B,1) valid rows per element
