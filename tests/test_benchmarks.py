@@ -260,3 +260,25 @@ def test_parallel_targets_compare_each_op_with_sdpa_of_its_own_causality_at_16k(
     assert not any("softmax:" in t or "faster" in t for t in got)
     res["config"].update(impl="looped", fit_range=[4096, 16384], sizes=[4096, 16384])  # the CPU form: speed-ups
     assert any("faster than SDPA" in t["target"] for t in targets(res))
+
+
+def test_compile_benchmark_renders_the_median_of_each_mode_and_their_ratio():
+    from linattn_tools.benchmark import compile as compile_bench
+
+    res = {"config": {"arch": "linattn_roberta_base", "repeats": 3}, "machine": measure.machine_info(
+        torch.device("cpu")), "load_start": [0.0, 0.0, 0.0], "load_end": [0.0, 0.0, 0.0],
+        "rows": [{"method": "lln", "n": 1024, "eager_first_s": 4.0, "compiled_first_s": 90.0, "graphs": 1,
+                  "eager_s": [3.0, 9.0, 3.2], "compiled_s": [2.4, 2.5, 8.0]}]}  # medians 3.2, 2.5 (not means)
+    text = compile_bench.render(res)
+    assert "| LLN | 1024 | 3.20 | 2.50 | 0.78 | 4.0, 90.0 | 1 |" in text, text
+
+
+@pytest.mark.slow
+def test_compile_benchmark_quick_times_both_modes_in_one_graph(tmp_path):
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "-m", "linattn_tools.benchmark.compile", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "lln" and row["graphs"] == 1
+    assert len(row["eager_s"]) == len(row["compiled_s"]) == 1 and row["compiled_first_s"] > 0
