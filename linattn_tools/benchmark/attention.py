@@ -217,9 +217,9 @@ def parallel_targets(res: dict) -> list:
     16384 (≤ 1.25×), for every op beside SDPA (n/a when a point is missing)."""
     out, add = _target_list()
     for name in res["points"]:
-        if res["series"][name]["method"] == "softmax":
+        base = series_name("softmax", res["series"][name]["causal"])
+        if name == base:
             continue
-        base = "softmax causal" if res["series"][name]["causal"] else "softmax"
         ours, sdpa = _row(res, name, 16384), _row(res, base, 16384)
         peaks = None if not (ours and sdpa and ours.get("peak_bytes") and sdpa.get("peak_bytes")) else (
             ours["peak_bytes"] / sdpa["peak_bytes"])
