@@ -16,6 +16,7 @@ and its threshold:
   env        torch, CUDA, driver, GPUs, compute capability, native bfloat16 (bf16 checks skipped without);
   ops        every method x role x float32/float16/bfloat16 x parallel/looped form, eval and train mode
              (EMA statistics, landmark redraws, dropout), forward and gradients vs the float64 reference;
+  compile    --attention-compile: each method's training step compiled (Triton) vs eager, one graph;
   train      50 --fp16 updates of the sample recipes per attention: loss falls, loss_scale after warm-up
              >= --min-loss-scale (read from this run's TensorBoard), moment statistics finite;
   finetune   scripts/finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoints;
@@ -29,7 +30,7 @@ Then one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: 
 Report: DIR/report.md and DIR/report.json [--work runs/gpu_selftest]; each run first removes the previous
 run's files there (the prepared samples in DIR/samples are kept).
 Exit status 0 = PASS, 1 = a check failed, 2 = no CUDA device (stops at once, naming the torch build).
-Without a GPU: --device cpu --quick runs every stage at tiny sizes on the CPU (~4 minutes on 2 cores).
+Without a GPU: --device cpu --quick runs every stage at tiny sizes on the CPU (~5 minutes on 2 cores).
 USAGE
     exit 0;;
 esac

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linattn_tools.recipes.selftest import core, ops, speed, training
+from linattn_tools.recipes.selftest import compiled, core, ops, speed, training
 from linattn_tools.recipes.selftest.env import no_cuda_message, torch_build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +196,37 @@ def test_speed_fails_a_linear_method_slower_than_sdpa_only_on_cuda(monkeypatch):
         assert "parallel 9 ops, 0 syncs" in rows["lln causal at N=16384"].detail
         assert rows["lln at N=16384"].status == ("PASS" if device == "cuda" else "INFO")
         assert not any(r.check.startswith(("softmax", "kernelized")) for r in stage.rows)
+
+
+def test_compile_stage_fails_a_case_that_does_not_compile_or_compiles_to_no_graph(monkeypatch):
+    """Without a real compile (seconds, not minutes): a compiler that raises (no Triton) fails the case with its
+    message; one that leaves the op eager (no Dynamo graph) passes the values and fails the graph count."""
+    def broken(fn, **kwargs):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    stage = core.Stage("compile")
+    compiled.check_case(stage, "lln", "decoder", "cpu")
+    (row,) = stage.rows
+    assert (row.check, row.status) == ("lln decoder compiles", "FAIL") and "triton" in row.detail
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    stage = core.Stage("compile")
+    compiled.check_case(stage, "lln", "encoder", "cpu")
+    rows = {r.check: r for r in stage.rows}
+    assert rows["lln encoder output compiled vs eager"].status == "PASS"
+    assert rows["lln encoder gradients compiled vs eager"].status == "PASS"
+    assert rows["lln encoder Dynamo graphs"].status == "FAIL" and rows["lln encoder Dynamo graphs"].measured == "0"
+    assert stage.status == "FAIL"
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda *a, **k: fn(*a, **k) * 1.001)  # a wrong kernel
+    stage = core.Stage("compile")
+    compiled.check_case(stage, "lln", "decoder", "cpu")
+    rows = {r.check: r for r in stage.rows}
+    assert rows["lln decoder output compiled vs eager"].status == "FAIL"
+    assert rows["lln decoder gradients compiled vs eager"].status == "FAIL"
+    assert compiled.cases(quick=True) == (("lln", "decoder"),)
+    assert {("lavo", "decoder"), ("skyformer", "encoder"), ("softmax", "decoder")} <= set(compiled.cases(False))
 
 
 def test_report_and_summary_pass_only_when_no_check_failed(tmp_path):

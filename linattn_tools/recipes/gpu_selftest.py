@@ -6,6 +6,8 @@ Stages, each printing PASS/FAIL per check with the measured number and its thres
   ops        every method x role x dtype x execution form (parallel, looped): forward and gradients on the
              device against the float64 reference, eval and train mode (EMA and running statistics, landmark
              redraws, dropout), tolerances from linattn/tolerances.py;
+  compile    --attention-compile: every method x role's training step compiled (Triton on a GPU) against eager,
+             float32 tolerances, one Dynamo graph, the step's time both ways;
   train      a short --fp16 run of the sample recipes per attention (pretrain_wikitext103.sh, train_pg19.sh):
              loss falls, loss scale after warm-up >= --min-loss-scale (this run's TensorBoard), moment
              statistics finite;
@@ -34,6 +36,7 @@ NEEDS_SAMPLES = ("train", "finetune", "eval_lm", "decode", "multi_gpu")
 
 
 def stage_functions() -> dict:
+    from .selftest.compiled import compile_stage
     from .selftest.decode import decode_stage
     from .selftest.env import env_stage
     from .selftest.multi import multi_stage
@@ -41,8 +44,9 @@ def stage_functions() -> dict:
     from .selftest.speed import speed_stage
     from .selftest.training import eval_lm_stage, finetune_stage, train_stage
 
-    return {"env": env_stage, "ops": ops_stage, "train": train_stage, "finetune": finetune_stage,
-            "eval_lm": eval_lm_stage, "decode": decode_stage, "speed": speed_stage, "multi_gpu": multi_stage}
+    return {"env": env_stage, "ops": ops_stage, "compile": compile_stage, "train": train_stage,
+            "finetune": finetune_stage, "eval_lm": eval_lm_stage, "decode": decode_stage, "speed": speed_stage,
+            "multi_gpu": multi_stage}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

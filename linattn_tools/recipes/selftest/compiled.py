@@ -1,0 +1,114 @@
+"""The ``compile`` stage: ``--attention-compile`` on the device (Triton kernels on a GPU, C++ here).
+
+For every method in the encoder and decoder roles (``--quick``: causal LLN only), one module training step in the
+parallel form as fairseq's trainer runs it (moment folds deferred), compiled and eager from the same weights,
+inputs and random draws (Inductor draws through ATen here, so that Skyformer's landmarks agree):
+- outputs, input and parameter gradients within ``linattn.tolerances``' float32 entry;
+- one Dynamo graph: a graph break would leave part of the op uncompiled;
+- the step's time compiled against eager, after the compilation (INFO: compiling is meant to pay on a GPU).
+"""
+import copy
+import time
+
+from linattn.tolerances import tolerance
+
+from .core import Settings, Stage
+from .ops import SIZES, SMALL, rel_err
+
+ROLES = ("encoder", "decoder")
+QUICK_CASES = (("lln", "decoder"),)
+TIMED_STEPS = 3
+
+
+def cases(quick: bool):
+    """(method, role) pairs the stage checks."""
+    from linattn.methods import METHODS
+
+    return QUICK_CASES if quick else tuple((name, role) for name, method in METHODS.items() for role in ROLES
+                                            if role in method.roles)
+
+
+def _pair(method: str, role: str, device: str):
+    """(compiled, eager) modules with the same weights, float32 on ``device``."""
+    from fairseq_linattn.modules import build_attention
+
+    size = SIZES[False]
+    compiled = build_attention(method, size["heads"] * size["head_dim"], size["heads"], causal=role == "decoder",
+                               config={**SMALL, "attention_impl": "parallel", "attention_compile": True}).to(device)
+    eager = copy.deepcopy(compiled)
+    eager.config = type(compiled.config)(**{**vars(compiled.config), "attention_compile": False})
+    return compiled, eager
+
+
+def _step(module, x, mask, seed: int):
+    """One training step: (output, input gradient, parameter gradients); the random state reset to ``seed`` first."""
+    import torch
+    import torch._inductor.config
+
+    from fairseq_linattn.modules.moment_matcher import folds_deferred
+
+    torch.manual_seed(seed)
+    xi = x.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with folds_deferred(), torch._inductor.config.patch(fallback_random=True):
+        out, _ = module(xi, xi, xi, key_padding_mask=mask, need_weights=False)
+    out.square().mean().backward()
+    return out.detach(), xi.grad, [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _seconds(fn, device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / TIMED_STEPS
+
+
+def check_case(stage: Stage, method: str, role: str, device: str) -> None:
+    """The rows of one (method, role): values, graphs, time."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    name = f"{method} {role}"
+    size = SIZES[False]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, eager = _pair(method, role, device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(size["n"], size["batch"], size["heads"] * size["head_dim"], generator=g).to(device)
+    mask = torch.zeros(size["batch"], size["n"], dtype=torch.bool)
+    mask[-1, size["n"] * 3 // 4:] = True
+    mask = mask.to(device)
+    try:
+        got = _step(compiled, x, mask, seed=1)
+    except Exception as exc:  # no Triton, an Inductor error: this case fails, the others still run
+        stage.add(f"{name} compiles", "FAIL", detail=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        return
+    want = _step(eager, x, mask, seed=1)
+    limit, grad_limit = tolerance(method, "float32"), tolerance(method, "float32", gradient=True)
+    stage.judge(f"{name} output compiled vs eager", rel_err(got[0], want[0]) <= limit, rel_err(got[0], want[0]),
+                f"<= {limit:.1e}")
+    errors = [rel_err(a, b) for a, b in zip([got[1], *got[2]], [want[1], *want[2]])]
+    stage.judge(f"{name} gradients compiled vs eager", len(got[2]) == len(want[2]) and max(errors) <= grad_limit,
+                max(errors), f"<= {grad_limit:.1e}", f"{len(errors)} tensors")
+    graphs = counters["stats"]["unique_graphs"]
+    stage.judge(f"{name} Dynamo graphs", graphs == 1, graphs, "1 (no graph break)",
+                "; ".join(f"{k}: {v}" for k, v in counters["graph_break"].items())[:300])
+    fast, slow = _seconds(lambda: _step(compiled, x, mask, seed=1), device), \
+        _seconds(lambda: _step(eager, x, mask, seed=1), device)
+    stage.add(f"{name} step time compiled vs eager", "INFO", f"{1e3 * fast:.3g} ms vs {1e3 * slow:.3g} ms "
+              f"(x{fast / slow:.2f})", "—", f"N = {size['n']}, B = {size['batch']}, {size['heads']} heads")
+
+
+def compile_stage(settings: Settings) -> Stage:
+    stage = Stage("compile", note="causal LLN only (--quick)" if settings.quick else
+                  "every method, encoder and decoder, parallel form, float32")
+    for method, role in cases(settings.quick):
+        check_case(stage, method, role, settings.device)
+    return stage
