@@ -1,16 +1,12 @@
 """--attention-compile: a module whose op call runs under torch.compile gives the eager module's outputs and
-gradients, in one graph (slow: each compile takes 5-20 s on this CPU)."""
-import copy
-
+gradients, in one graph (slow: each compile takes 5-20 s on this CPU). The modules and the step are the GPU
+self-test's (``linattn_tools.recipes.selftest.compiled``), checked here with their own assertions."""
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from fairseq_linattn.modules.build import build_attention
-from fairseq_linattn.modules.moment_matcher import folds_deferred
-
-SMALL = dict(lln_chunk_size=16, lln_diag_block_size=16, skyformer_landmarks=16, lavo_window=8)
+from linattn_tools.recipes.selftest.compiled import build_pair, training_step
 
 
 @pytest.mark.slow
@@ -23,24 +19,14 @@ def test_compiled_module_step_equals_eager(gen, method, causal):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    compiled = build_attention(method, 32, 4, causal=causal,
-                               config=dict(SMALL, attention_impl="parallel", attention_compile=True))
-    eager = copy.deepcopy(compiled)
-    eager.config = type(compiled.config)(**{**vars(compiled.config), "attention_compile": False})
-    x = torch.randn(45, 2, 32, generator=gen)
+    compiled, eager = build_pair(method, "decoder" if causal else "encoder", "cpu")
+    x = torch.randn(45, 2, compiled.embed_dim, generator=gen)
     mask = torch.zeros(2, 45, dtype=torch.bool)
     mask[1, 30:] = True
-    results = []
-    for module in (compiled, eager):
-        xi = x.clone().requires_grad_()
-        torch.manual_seed(1)
-        with folds_deferred(), torch._inductor.config.patch(fallback_random=True):
-            out, _ = module(xi, xi, xi, key_padding_mask=mask, need_weights=False)
-        out.square().mean().backward()
-        results.append((out.detach(), xi.grad, [p.grad for p in module.parameters()]))
-    (out_c, gx_c, gp_c), (out_e, gx_e, gp_e) = results
+    (out_c, gx_c, gp_c), (out_e, gx_e, gp_e) = (training_step(m, x, mask, seed=1) for m in (compiled, eager))
     torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gx_c, gx_e, rtol=1e-4, atol=1e-5)
+    assert len(gp_c) == len(gp_e) > 0
     for a, b in zip(gp_c, gp_e):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert "_compiled_attend" in compiled.__dict__ and "_compiled_attend" not in eager.__dict__

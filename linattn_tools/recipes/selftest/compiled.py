@@ -8,7 +8,6 @@ inputs and random draws (Inductor draws through ATen here, so that Skyformer's l
 - the step's time compiled against eager, after the compilation (INFO: compiling is meant to pay on a GPU).
 """
 import copy
-import time
 
 from linattn.tolerances import tolerance
 
@@ -28,7 +27,7 @@ def cases(quick: bool):
                                             if role in method.roles)
 
 
-def _pair(method: str, role: str, device: str):
+def build_pair(method: str, role: str, device: str):
     """(compiled, eager) modules with the same weights, float32 on ``device``."""
     from fairseq_linattn.modules import build_attention
 
@@ -40,7 +39,7 @@ def _pair(method: str, role: str, device: str):
     return compiled, eager
 
 
-def _step(module, x, mask, seed: int):
+def training_step(module, x, mask, seed: int):
     """One training step: (output, input gradient, parameter gradients); the random state reset to ``seed`` first."""
     import torch
     import torch._inductor.config
@@ -57,16 +56,12 @@ def _step(module, x, mask, seed: int):
 
 
 def _seconds(fn, device: str) -> float:
+    """Mean seconds of ``TIMED_STEPS`` calls (the benchmarks' timer: CUDA events on a GPU)."""
     import torch
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(TIMED_STEPS):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / TIMED_STEPS
+    from linattn_tools.benchmark.measure import elapsed_seconds
+
+    return sum(elapsed_seconds(fn, torch.device(device)) for _ in range(TIMED_STEPS)) / TIMED_STEPS
 
 
 def check_case(stage: Stage, method: str, role: str, device: str) -> None:
@@ -79,18 +74,18 @@ def check_case(stage: Stage, method: str, role: str, device: str) -> None:
     size = SIZES[False]
     torch._dynamo.reset()
     counters.clear()
-    compiled, eager = _pair(method, role, device)
+    compiled, eager = build_pair(method, role, device)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(size["n"], size["batch"], size["heads"] * size["head_dim"], generator=g).to(device)
     mask = torch.zeros(size["batch"], size["n"], dtype=torch.bool)
     mask[-1, size["n"] * 3 // 4:] = True
     mask = mask.to(device)
     try:
-        got = _step(compiled, x, mask, seed=1)
+        got = training_step(compiled, x, mask, seed=1)
     except Exception as exc:  # no Triton, an Inductor error: this case fails, the others still run
         stage.add(f"{name} compiles", "FAIL", detail=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
         return
-    want = _step(eager, x, mask, seed=1)
+    want = training_step(eager, x, mask, seed=1)
     limit, grad_limit = tolerance(method, "float32"), tolerance(method, "float32", gradient=True)
     stage.judge(f"{name} output compiled vs eager", rel_err(got[0], want[0]) <= limit, rel_err(got[0], want[0]),
                 f"<= {limit:.1e}")
@@ -100,8 +95,8 @@ def check_case(stage: Stage, method: str, role: str, device: str) -> None:
     graphs = counters["stats"]["unique_graphs"]
     stage.judge(f"{name} Dynamo graphs", graphs == 1, graphs, "1 (no graph break)",
                 "; ".join(f"{k}: {v}" for k, v in counters["graph_break"].items())[:300])
-    fast, slow = _seconds(lambda: _step(compiled, x, mask, seed=1), device), \
-        _seconds(lambda: _step(eager, x, mask, seed=1), device)
+    fast, slow = _seconds(lambda: training_step(compiled, x, mask, seed=1), device), \
+        _seconds(lambda: training_step(eager, x, mask, seed=1), device)
     stage.add(f"{name} step time compiled vs eager", "INFO", f"{1e3 * fast:.3g} ms vs {1e3 * slow:.3g} ms "
               f"(x{fast / slow:.2f})", "—", f"N = {size['n']}, B = {size['batch']}, {size['heads']} heads")
 
