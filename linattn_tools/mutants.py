@@ -88,9 +88,9 @@ MUTANTS = [
     M("kernel-sdpa-norm-grad-sign", OPS + "kernelized/parallel.py", "value=-1 if ctx.key else 1)",
       "value=1 if ctx.key else -1)", "the norm columns' gradient reaches q and k with swapped signs", SKY_T),
     # -- the parallel forms and their helpers --
-    M("forms-auto-cpu", OPS + "forms.py", '("looped" if torch.device(device).type == "cpu" else "parallel")',
+    M("forms-auto-cpu", OPS + "impls.py", '("looped" if torch.device(device).type == "cpu" else "parallel")',
       '("parallel" if torch.device(device).type == "cpu" else "looped")', "auto picks the GPU form on the CPU",
-      ("tests/test_forms.py",)),
+      ("tests/test_impls.py",)),
     M("batched-add-dropped", OPS + "batched.py", "out = torch.baddbmm(add.reshape(-1, *add.shape[-2:]), a3, b3, "
       "beta=beta, alpha=alpha)", "out = torch.bmm(a3, b3)", "bmm(..., add=x) forgets x", LLN_T + DIAG_T),
     M("lln-parallel-prefix-diagonal", OPS + "lln/parallel.py", ".exp_().tril_(-1)", ".exp_().tril_(0)",

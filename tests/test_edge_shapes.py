@@ -9,7 +9,7 @@ import torch
 
 from fairseq_linattn.modules import build_attention
 from linattn.methods import METHODS
-from linattn.ops.forms import auto_form
+from linattn.ops.impls import auto_impl
 
 E, H, B = 8, 2, 3
 CHUNK, WINDOW, LANDMARKS = 8, 4, 6  # LLN chunk; LAVO window and LLN+Diag block; Skyformer landmarks
@@ -21,7 +21,7 @@ assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTH
 
 
 # The ops' two forms, each a context in which the modules (built with attention_impl "auto") run that form.
-FORMS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_form("parallel")}
+FORMS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_impl("parallel")}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 

@@ -188,7 +188,7 @@ def test_speed_fails_a_linear_method_slower_than_sdpa_only_on_cuda(monkeypatch):
     times = {"softmax": 10.0, "softmax causal": 6.0, "lln causal": 7.0}
     times.update({n: 5.0 for n, m in METHODS.items() if not m.quadratic})
     monkeypatch.setattr(speed, "run_benchmark", lambda settings, form: fake_benchmark(times))
-    monkeypatch.setattr("linattn.ops.forms.resolve_impl", lambda impl, device: "parallel")
+    monkeypatch.setattr("linattn.ops.impls.resolve_impl", lambda impl, device: "parallel")
     for device, status in (("cuda", "FAIL"), ("cpu", "INFO")):
         stage = speed.speed_stage(core.Settings(device, Path("/nonexistent")))
         rows = {r.check: r for r in stage.rows}

@@ -8,7 +8,7 @@ from linattn import ops
 from linattn.ops.lln import lln_decode_init, lln_decode_step
 
 LENGTHS = [1, 7, 63, 65, 257]
-IMPLS = ["parallel", "looped"]  # the op's forms (linattn.ops.forms)
+IMPLS = ["parallel", "looped"]  # the op's forms (linattn.ops.impls)
 
 
 def qkv(gen, b=2, h=3, n=33, d=16, dv=None, dtype=torch.float64, scale=1.0):

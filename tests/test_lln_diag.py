@@ -7,7 +7,7 @@ from util_memory import LargestTensor
 from linattn import ops
 from linattn.ops.lln_diag import mix_lln_diag
 
-IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms)
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.impls)
 
 
 def qkv(gen, b=2, h=3, n=33, d=8, dtype=torch.float64):

@@ -8,7 +8,7 @@ from conftest import padding_mask
 from linattn import ops
 from linattn.ops import working_set
 
-IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms); working passes concern ``looped`` only
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.impls); working passes concern ``looped`` only
 
 
 @pytest.fixture(params=[False, True], ids=["one-pass", "many-passes"])

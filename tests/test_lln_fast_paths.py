@@ -7,7 +7,7 @@ from linattn import ops
 from linattn.ops import working_set
 from linattn.ops.lln import looped as lln_looped
 
-IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.forms); working passes concern ``looped`` only
+IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.impls); working passes concern ``looped`` only
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn.methods import benchmarked
-from linattn.ops.forms import IMPLS, resolve_impl
+from linattn.ops.impls import IMPLS, resolve_impl
 from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..forms import resolve_impl
+from ..impls import resolve_impl
 from ..precision import autocast_off, compute_dtype
 from ..windows import bmm_rows, flat_heads, group_rows, rows_view, store_rows
 from .inputs import _check_lavo

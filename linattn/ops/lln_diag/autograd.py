@@ -7,7 +7,7 @@ from torch import Tensor
 from ..block_softmax import parallel as block_parallel
 from ..block_softmax.autograd import block_softmax_attention
 from ..block_softmax.looped import block_valid, blocks_backward_, blocks_forward_
-from ..forms import resolve_impl
+from ..impls import resolve_impl
 from ..inputs import check_positive_int
 from ..lln import parallel as lln_parallel
 from ..lln.autograd import lln_attention, lln_inputs

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import working_set
-from ..forms import resolve_impl
+from ..impls import resolve_impl
 from ..kernelized.kernel import kernel_scale
 from ..precision import autocast_off
 from .nystrom import (

@@ -44,7 +44,7 @@ def speed_stage(settings: Settings) -> Stage:
     import torch
 
     from linattn.methods import METHODS
-    from linattn.ops.forms import resolve_impl
+    from linattn.ops.impls import resolve_impl
 
     judged = resolve_impl("auto", torch.device(settings.device))
     stage = Stage("speed", note=f"verdict on the {judged} form (auto on {settings.device})" if settings.cuda else
