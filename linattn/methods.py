@@ -1,22 +1,13 @@
-"""The attention methods, each declared once: its module class, roles, options, FLOP count, benchmark call.
+"""The attention methods, each declared once: its name, roles, the options it reads, FLOP count.
 
-Everything that lists methods derives from ``METHODS``: the modules, validation (``AttentionConfig.validate``
-in linattn/config.py, which declares the options), the recipe scripts' check
-(``python -m linattn.methods check``), the benchmarks (with ``BENCHMARK_EXTRAS``) and the README's options
-table (docs/design.md §9 says how to add a method). Pure Python: no torch, no fairseq (the benchmark calls
-get the ops module as an argument).
-
-    python -m linattn.methods check --role encoder|decoder|cross TYPES  # exit 2 on a bad type
-    python -m linattn.methods list [--role ROLE]                        # one name per line
-    python -m linattn.methods options-table                              # the README's table
+Everything that lists methods derives from ``METHODS``: the modules (each registers its class under the method's
+name, fairseq_linattn/modules/registry.py), validation (``AttentionConfig.validate`` in linattn/config.py,
+which declares the options), the tolerance table, and the tools (``linattn_tools.methods_extra``: titles,
+plot colours and the benchmarks' calls; ``python -m linattn_tools.methods_cli``: the recipe scripts' check and
+the README's options table). docs/design.md §9 says how to add a method. Pure Python: no torch, no fairseq.
 """
-import argparse
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
-
-if TYPE_CHECKING:  # linattn/config.py imports this module
-    from linattn.config import AttentionConfig
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROLES = ("encoder", "decoder", "cross")  # non-causal self-attention, causal self-attention, encoder-decoder
 ROLE_OPTIONS = {"encoder": "encoder_attention_type", "decoder": "decoder_attention_type",
@@ -30,44 +21,22 @@ def flag(name: str) -> str:
 
 @dataclass(frozen=True)
 class Method:
-    """An attention method: the module class that implements it, where it can be used, what it reads, how the
-    benchmarks call its op."""
+    """An attention method: where it can be used, what it reads, what it costs."""
 
     name: str
-    title: str  # for tables and plots
-    module_class: str  # class name in fairseq_linattn.modules (its file imported by modules/build.py)
     roles: Tuple[str, ...]
     options: Tuple[str, ...] = ()  # AttentionConfig fields this method reads (the shared ones: every model)
     flops: Callable[..., float] = None  # (n, d, causal, cfg) -> matmul FLOPs of one forward per (batch, head)
     relative_positions: bool = False  # positions come from the attention itself (token positions dropped)
-    check: Optional[Callable[["AttentionConfig", Dict[str, List[str]]], None]] = None  # cross-option rules
-    rows_note: str = ""  # what the module's ``attention_rows`` is, in a few words (the analysis reports it per layer)
-    colour: str = "black"  # the analysis plots' colour for this method's layers
+    # (cfg, layers) -> None, ValueError on a bad combination: the rules between its options (``cfg``: the
+    # AttentionConfig; ``layers``: role -> the model's per-layer types, the roles known to the caller)
+    check: Optional[Callable[[Any, Dict[str, List[str]]], None]] = None
     rounding_gain: float = 1.0  # how much more than an exact op the output may round in half precision
-    # (ops, q, k, v, causal, x) -> output: the benchmarks' call of its op (``ops``: linattn.ops or an earlier
-    # copy of it); ``x``: alpha, beta, chunk_size, block_size, window, landmarks, lavo_bases, lavo_bias
-    benchmark_op: Optional[Callable[..., Any]] = None
-    benchmark_params: Tuple[str, ...] = ()  # keys of ``x`` the benchmarks also take the gradient for
-    quadratic: bool = False  # N x N time: an exact method (the op benchmark's FLOP-floor table lists the others)
-    dropout_keeps_matrix: bool = False  # with attention dropout it stores the N x N probabilities
 
     @property
     def causal(self) -> bool:
         """Has a causal (decoder self-attention) form."""
         return "decoder" in self.roles
-
-
-@dataclass(frozen=True)
-class BenchmarkOp:
-    """An op the benchmarks time beside the methods' without being a method (fields as in ``Method``)."""
-
-    name: str
-    title: str
-    flops: Callable[..., float]
-    benchmark_op: Callable[..., Any]
-    causal: bool = True
-    benchmark_params: Tuple[str, ...] = ()
-    quadratic: bool = False
 
 
 # -- the options each method reads (declared with their defaults and help in linattn/config.py) -----------
@@ -104,7 +73,7 @@ def _skyformer_flops(n: int, d: int, causal: bool, cfg) -> float:
     return 8 * n * m * d + 4 * m * m * d + 48 * m ** 3
 
 
-def _check_lln(cfg: "AttentionConfig", layers: Dict[str, List[str]]) -> None:
+def _check_lln(cfg, layers: Dict[str, List[str]]) -> None:
     """LLN's rules between options (LLN §4.1; docs/design.md §3.1)."""
     if (cfg.lln_alpha is None) != (cfg.lln_beta is None):
         raise ValueError("--lln-alpha and --lln-beta must be given together (fixed alpha, beta turn moment "
@@ -121,72 +90,19 @@ def _check_lln(cfg: "AttentionConfig", layers: Dict[str, List[str]]) -> None:
                          "and other sequences; use --lln-stats ema (or auto) for decoders")
 
 
-# -- how the benchmarks call each op (linattn_tools/benchmark: attention, compare_ops) ------------------
-def _form(x) -> Dict[str, str]:
-    """The ``impl`` argument when the benchmark chose one (compare_ops also calls ops of revisions without it)."""
-    return {"impl": x["impl"]} if "impl" in x else {}
-
-
-def _bench_lln(ops, q, k, v, causal, x):
-    return ops.lln_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"],
-                             **_form(x))
-
-
-def _bench_lln_diag(ops, q, k, v, causal, x):
-    return ops.lln_diag_attention(q, k, v, x["alpha"], x["beta"], causal=causal, chunk_size=x["chunk_size"],
-                                  block_size=x["block_size"], **_form(x))
-
-
-def _bench_skyformer(ops, q, k, v, causal, x):  # training-mode landmarks (redrawn per call); never causal
-    return ops.skyformer_attention(q, k, v, num_landmarks=x["landmarks"], training=True, **_form(x))
-
-
-def _bench_lavo(ops, q, k, v, causal, x):
-    return ops.lavo_attention(q, k, v, x["lavo_bases"], x["lavo_bias"], window=x["window"], causal=causal,
-                              **_form(x))
-
-
 METHODS: Dict[str, Method] = {m.name: m for m in (
-    Method("softmax", "softmax", "SoftmaxAttention", ("encoder", "decoder", "cross"),
-           flops=lambda n, d, causal, cfg: (2 if causal else 4) * n * n * d,  # Q K^T and P V (causal: half)
-           rows_note="exact: P V is the output",
-           benchmark_op=lambda ops, q, k, v, causal, x: ops.softmax_attention(q, k, v, causal=causal),
-           quadratic=True, dropout_keeps_matrix=True),  # with dropout, CPU SDPA takes its N x N math path
-    Method("lln", "LLN", "LLNAttention", ("encoder", "decoder"), LLN_OPTIONS, flops=_lln_flops, check=_check_lln,
-           rows_note="exact: P V is the output", colour="tab:blue", benchmark_op=_bench_lln),
-    Method("lln_diag", "LLN+Diag", "LLNDiagAttention", ("encoder", "decoder"), LLN_OPTIONS + LLN_DIAG_OPTIONS,
+    Method("softmax", ("encoder", "decoder", "cross"),
+           flops=lambda n, d, causal, cfg: (2 if causal else 4) * n * n * d),  # Q K^T and P V (causal: half)
+    Method("lln", ("encoder", "decoder"), LLN_OPTIONS, flops=_lln_flops, check=_check_lln),
+    Method("lln_diag", ("encoder", "decoder"), LLN_OPTIONS + LLN_DIAG_OPTIONS,
            flops=lambda n, d, causal, cfg: _lln_flops(n, d, causal, cfg) + block_softmax_flops(
-               n, d, cfg.lln_diag_block_size), check=_check_lln,
-           rows_note="exact for mix 'average'; head-mean mix weights otherwise", colour="tab:purple",
-           benchmark_op=_bench_lln_diag),
-    Method("skyformer", "Skyformer", "SkyformerAttention", ("encoder",), SKYFORMER_OPTIONS, flops=_skyformer_flops,
-           rows_note="Nyström kernel rows (eval landmarks), negatives clipped, normalised to sum 1",
-           colour="tab:brown",
-           rounding_gain=10.0,  # the Nyström (pseudo-)inverse amplifies half-precision rounding
-           benchmark_op=_bench_skyformer),
-    Method("kernelized", "Kernelized", "KernelizedAttention", ("encoder",),
-           flops=lambda n, d, causal, cfg: 4 * n * n * d,  # the full Gaussian kernel and C V
-           rows_note="kernel rows normalised to sum 1 (the kernel itself is not row-stochastic)", colour="tab:red",
-           benchmark_op=lambda ops, q, k, v, causal, x: ops.kernelized_attention(q, k, v, **_form(x)),
-           quadratic=True),
-    Method("lavo", "LAVO", "LAVOAttention", ("encoder", "decoder", "cross"), LAVO_OPTIONS, flops=_lavo_flops,
-           relative_positions=True,
-           rows_note="token mixing 0.5 (local + memory mean); values also pass a per-query channel projection",
-           colour="tab:olive", benchmark_op=_bench_lavo, benchmark_params=("lavo_bases", "lavo_bias")),
+               n, d, cfg.lln_diag_block_size), check=_check_lln),
+    Method("skyformer", ("encoder",), SKYFORMER_OPTIONS, flops=_skyformer_flops,
+           rounding_gain=10.0),  # the Nyström (pseudo-)inverse amplifies half-precision rounding
+    Method("kernelized", ("encoder",),
+           flops=lambda n, d, causal, cfg: 4 * n * n * d),  # the full Gaussian kernel and C V
+    Method("lavo", ("encoder", "decoder", "cross"), LAVO_OPTIONS, flops=_lavo_flops, relative_positions=True),
 )}
-
-# ops the benchmarks time beside the methods': block softmax is LLN+Diag's Diag part on its own
-BENCHMARK_EXTRAS: Dict[str, BenchmarkOp] = {b.name: b for b in (
-    BenchmarkOp("block_softmax", "block softmax",
-                flops=lambda n, d, causal, cfg: block_softmax_flops(n, d, cfg.lln_diag_block_size),
-                benchmark_op=lambda ops, q, k, v, causal, x: ops.block_softmax_attention(
-                    q, k, v, block_size=x["block_size"], causal=causal, **_form(x))),
-)}
-
-
-def benchmarked() -> Dict[str, Any]:
-    """Every op the benchmarks time, by name: the methods (``Method``), then ``BENCHMARK_EXTRAS``."""
-    return {**METHODS, **BENCHMARK_EXTRAS}
 
 
 def methods_for(role: str) -> List[str]:
@@ -216,33 +132,3 @@ def layer_types(spec: str, num_layers: int, role: str) -> List[str]:
         raise ValueError(f"{option}: got {len(types)} types ({spec}) for {num_layers} layers; "
                          f"give one type, or exactly one per layer")
     return types
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m linattn.methods", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="exit 2 with a message unless TYPES is a valid attention type "
-                           "(or comma list) for ROLE")
-    check.add_argument("--role", choices=ROLES, required=True)
-    check.add_argument("types", help="a method name, or a comma list with one type per layer")
-    listing = sub.add_parser("list", help="the methods, one per line")
-    listing.add_argument("--role", choices=ROLES)
-    sub.add_parser("options-table", help="the README's options table")
-    args = parser.parse_args(argv)
-    if args.command == "check":
-        types = [t.strip() for t in args.types.split(",")]
-        try:
-            layer_types(args.types, len(types), args.role)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    elif args.command == "list":
-        print("\n".join(methods_for(args.role) if args.role else METHODS))
-    else:
-        from linattn.config import options_table
-        print(options_table())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ about() {
   cat <<ABOUT
 Pretrain linattn_roberta_base (fairseq's RoBERTa-base recipe: 512 tokens, 2048 sequences per
 update, lr 5e-4, 10k warmup, 125k updates) with --encoder-attention-type ATTN (an encoder type:
-python -m linattn.methods list --role encoder; or a comma list, one per layer).
+python -m linattn_tools.methods_cli list --role encoder; or a comma list, one per layer).
 Data: python -m linattn_tools.recipes.prepare_wikitext103 --out data-bin/wikitext-103
 Checkpoints: OUT [checkpoints/pretrain_wikitext103/ATTN].
 

@@ -85,18 +85,18 @@ recipe_cli() {
 }
 
 # check_attention ROLE TYPES: TYPES is an attention type (or a comma list, one per layer) the plugin
-# takes for ROLE (encoder, decoder or cross), as its registry says (`python -m linattn.methods
+# takes for ROLE (encoder, decoder or cross), as its registry says (`python -m linattn_tools.methods_cli
 # check`); otherwise the registry's message (naming the option and the allowed values) and exit 2.
 # Pretraining and GLUE check encoder types, the PG-19 LM decoder types.
 check_attention() {
   local out rc=0
-  out="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m linattn.methods check --role "$1" "$2" 2>&1)" \
-    || rc=$?
+  out="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m linattn_tools.methods_cli check \
+    --role "$1" "$2" 2>&1)" || rc=$?
   case "$rc" in
     0) return 0;;
     2) echo "$out" >&2; exit 2;;
     *) [ -z "$out" ] || echo "$out" | tail -5 >&2
-       die "could not check the $1 attention type '$2' ($PY -m linattn.methods check: exit $rc)";;
+       die "could not check the $1 attention type '$2' ($PY -m linattn_tools.methods_cli check: exit $rc)";;
   esac
 }
 

@@ -7,7 +7,7 @@ RECIPE_ARGS="ATTN"
 about() {
   cat <<ABOUT
 Train linattn_lm_gpt (12 layers, 768-d) on PG-19 with --decoder-attention-type ATTN (a causal type:
-python -m linattn.methods list --role decoder; or a comma list, one per layer): LAVO's setting, context 8192,
+python -m linattn_tools.methods_cli list --role decoder; or a comma list, one per layer): LAVO's setting, context 8192,
 2^17 tokens per update, AdamW (0.9, 0.999), wd 0.01, lr 5e-4 inverse-sqrt after 10k warmup, 125k updates, dropout
 0.1. An all-LAVO model has no token position embeddings (LAVO §4.1). Then: scripts/eval_pg19.sh.
 Data: python -m linattn_tools.recipes.prepare_pg19 --source DIR --out data-bin/pg19

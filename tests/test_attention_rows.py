@@ -11,7 +11,7 @@ from conftest import padding_mask
 from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
 from linattn import ops
 from linattn.analysis import entropy, log_moments, sparsity, spectral_gap
-from linattn.methods import METHODS
+from linattn_tools.methods_extra import METHODS_EXTRA
 
 F64 = torch.float64
 E, H, T, B = 16, 2, 23, 3
@@ -143,7 +143,7 @@ def test_attention_rows_times_values_is_attend(method, causal, side, gen):
 
 def test_modules_describe_their_rows():
     for method, cls in ATTENTION_CLASSES.items():
-        assert METHODS[method].rows_note and METHODS[method].colour, method
+        assert METHODS_EXTRA[method].rows_note and METHODS_EXTRA[method].colour, method
         assert cls.is_kernel_method == (method in ("kernelized", "skyformer"))
     module = _module("softmax", False, torch.Generator().manual_seed(0))
     q = torch.randn(1, H, 4, E // H, dtype=F64)

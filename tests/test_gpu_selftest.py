@@ -183,10 +183,10 @@ def fake_benchmark(ms):
 
 
 def test_speed_fails_a_linear_method_slower_than_sdpa_only_on_cuda(monkeypatch):
-    from linattn.methods import METHODS
+    from linattn_tools.methods_extra import METHODS_EXTRA
 
     times = {"softmax": 10.0, "softmax causal": 6.0, "lln causal": 7.0}
-    times.update({n: 5.0 for n, m in METHODS.items() if not m.quadratic})
+    times.update({n: 5.0 for n, m in METHODS_EXTRA.items() if not m.quadratic})
     monkeypatch.setattr(speed, "run_benchmark", lambda settings, form: fake_benchmark(times))
     monkeypatch.setattr("linattn.ops.impls.resolve_impl", lambda impl, device: "parallel")
     for device, status in (("cuda", "FAIL"), ("cpu", "INFO")):

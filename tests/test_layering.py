@@ -1,7 +1,9 @@
 """The layers stay visible: ``linattn`` (pure PyTorch) -> ``fairseq_linattn`` (the plugin) -> ``linattn_tools``."""
+import ast
 import re
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +20,45 @@ def imports(package: str):
             yield path.relative_to(ROOT), match.group(1) or match.group(2)
 
 
+def import_graph(*packages: str):
+    """{module: the modules of ``packages`` it imports}, read from every import statement of each file (in
+    functions and under ``if TYPE_CHECKING`` too), relative imports resolved; ``from a import b`` imports the
+    module ``a.b`` where there is one, else ``a``. Importing ``a.b`` is not counted as importing ``a``."""
+    files = {}
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]  # its package
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                source = ".".join((here[:len(here) + 1 - node.level] if node.level else [])
+                                  + ([node.module] if node.module else []))
+                imported.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in files else source
+                                for alias in node.names)
+        graph[name] = imported & set(files)
+    return graph
+
+
+def test_the_import_graph_resolves_relative_imports_and_submodules():
+    graph = import_graph("linattn", "fairseq_linattn")
+    assert {"fairseq_linattn.modules.base", "linattn.ops"} <= graph["fairseq_linattn.modules.lln"]  # .base; ops
+    assert "fairseq_linattn.modules.build" in graph["fairseq_linattn.modules"]  # the package's __init__.py
+    assert "fairseq_linattn.modules" not in graph["fairseq_linattn.modules.lln"]
+
+
+def test_no_import_circle_in_the_library_or_the_plugin():
+    try:
+        TopologicalSorter(import_graph("linattn", "fairseq_linattn")).prepare()
+    except CycleError as e:
+        raise AssertionError(f"import circle: {' -> '.join(e.args[1])}") from None
+
+
 def test_importing_linattn_imports_no_fairseq_and_patches_nothing():
     proc = python("import sys, torch\n"
                   "load = torch.load\n"
@@ -28,10 +69,11 @@ def test_importing_linattn_imports_no_fairseq_and_patches_nothing():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_the_registry_and_the_options_import_neither_torch_nor_fairseq():
+def test_the_registry_the_options_and_their_tools_import_neither_torch_nor_fairseq():
+    # the recipe scripts' type check (methods_cli) starts before anything else: it must stay quick
     proc = python("import sys\n"
-                  "import linattn.methods, linattn.config\n"
-                  "from linattn.config import AttentionConfig\nfrom linattn.methods import benchmarked\n"
+                  "import linattn.methods, linattn.config, linattn_tools.methods_cli\n"
+                  "from linattn.config import AttentionConfig\nfrom linattn_tools.methods_extra import benchmarked\n"
                   "assert AttentionConfig is linattn.config.AttentionConfig and 'block_softmax' in benchmarked()\n"
                   "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'fairseq', 'numpy')]\n")
     assert proc.returncode == 0, proc.stderr

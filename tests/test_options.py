@@ -66,14 +66,16 @@ def test_layer_types_expands_one_type_and_keeps_a_list():
     assert layer_types("softmax, lavo", 2, "decoder") == ["softmax", "lavo"]
 
 
-def test_every_method_names_an_existing_module_class_with_its_roles():
+def test_every_method_has_a_registered_module_class_with_its_roles_and_every_class_a_method():
     from fairseq_linattn.modules import ATTENTION_CLASSES, build_attention
+    from fairseq_linattn.modules.base import AttentionBase
+    from fairseq_linattn.modules.registry import register_attention
 
     assert set(ATTENTION_CLASSES) == set(METHODS)
     for name, method in METHODS.items():
         cls = ATTENTION_CLASSES[name]
-        assert cls.__name__ == method.module_class
-        assert cls.method == name
+        assert issubclass(cls, AttentionBase) and cls.method == name
+        assert cls.__module__ == f"fairseq_linattn.modules.{name}"  # in the file named for the method
         for role in ("encoder", "decoder"):
             if role in method.roles:
                 build_attention(name, 8, 2, causal=role == "decoder")
@@ -81,6 +83,23 @@ def test_every_method_names_an_existing_module_class_with_its_roles():
                 with pytest.raises(ValueError, match=f"{role} attention type must be one of"):
                     build_attention(name, 8, 2, causal=role == "decoder")
     assert methods_for("decoder") == ["softmax", "lln", "lln_diag", "lavo"]
+    with pytest.raises(ValueError, match="not a method"):
+        register_attention("flash")
+    with pytest.raises(ValueError, match="lln already has its module class, LLNAttention"):
+        register_attention("lln")(type("Other", (AttentionBase,), {}))
+    assert ATTENTION_CLASSES["lln"].__name__ == "LLNAttention"
+
+
+def test_every_method_has_its_tools_entry():
+    from linattn_tools.methods_extra import BENCHMARK_EXTRAS, METHODS_EXTRA, benchmarked
+
+    assert set(METHODS_EXTRA) == set(METHODS)
+    assert not set(BENCHMARK_EXTRAS) & set(METHODS)
+    ops = benchmarked()
+    assert list(ops) == list(METHODS) + list(BENCHMARK_EXTRAS)
+    for name, method in METHODS.items():
+        assert ops[name].title == METHODS_EXTRA[name].title and ops[name].flops is method.flops
+        assert ops[name].causal == ("decoder" in method.roles)
 
 
 def test_fairseq_dataclass_has_every_option_with_its_default_and_choices():
@@ -106,12 +125,12 @@ def test_build_attention_validates_a_mapping_of_options():
 
 def test_readme_options_table_is_the_registry_s():
     readme = (ROOT / "README.md").read_text()
-    assert options_table() in readme, "README's options table differs: paste `python -m linattn.methods " \
-                                      "options-table`"
+    assert options_table() in readme, "README's options table differs: paste `python -m " \
+                                      "linattn_tools.methods_cli options-table`"
 
 
 def test_methods_cli_checks_a_type_for_a_role():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "linattn.methods", *a], capture_output=True,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "linattn_tools.methods_cli", *a], capture_output=True,
                                     text=True, cwd=ROOT)
     assert run("check", "--role", "decoder", "softmax,lavo").returncode == 0
     bad = run("check", "--role", "decoder", "softmax,skyformer")

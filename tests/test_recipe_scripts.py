@@ -22,7 +22,7 @@ FAKE_PYTHON = """#!/bin/sh
 # a stand-in python: records every call; stubs the registry check and torchrun; else the real python
 echo "$*" >> "$FAKE_CALLS"
 case "$1 $2" in
-  "-m linattn.methods")
+  "-m linattn_tools.methods_cli")
     [ "${FAKE_CHECK_EXIT:-0}" = 0 ] || echo "--x-attention-type: invalid attention type; allowed: ..." >&2
     exit "${FAKE_CHECK_EXIT:-0}";;
   "-m torch.distributed.run") shift 2; printf '%s\\n' torchrun "$@" > "$FAKE_ARGV"; echo "torchrun $FAKE_TAG"; exit 0;;
@@ -98,7 +98,7 @@ def test_scripts_ask_the_registry_for_their_attention_role_before_doing_anything
     env = {**env, "FAKE_CHECK_EXIT": "2", "DEVICE": "cpu", "SAMPLE": "1", "SAMPLE_DATA": str(tmp_path / "none")}
     proc = run_script(script, *args, env=env, timeout=30)
     assert proc.returncode == 2 and "--x-attention-type: invalid" in proc.stderr  # the registry's message
-    assert calls.read_text().splitlines() == [f"-m linattn.methods check --role {ROLES[script]} flash"]
+    assert calls.read_text().splitlines() == [f"-m linattn_tools.methods_cli check --role {ROLES[script]} flash"]
     assert not argv.exists() and not (tmp_path / "none").exists()
 
 

@@ -4,7 +4,7 @@ Each module owns ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (fairseq's nam
 checkpoint loads into any variant), reshapes fairseq's time-first (T, B, C) to the ops' (B, H, T, D),
 calls its op, and keeps an O(1)-or-O(window) incremental state for decoding. Causality is fixed at
 construction (decoder self-attention), never inferred from a mask. One subclass per method, in the
-file named for it; ``build.py`` maps the registry's names to them.
+file named for it, registered under the method's name (``@register_attention``, ``registry.py``).
 """
 import logging
 import math
@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
 
+from .registry import ATTENTION_CLASSES
+
 State = Dict[str, Optional[Tensor]]
 logger = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 class AttentionBase(nn.Module):
     """Projections, layout and incremental-state plumbing shared by every method."""
 
-    method = "base"  # its name in linattn.methods.METHODS
+    method = "base"  # its name in linattn.methods.METHODS, set on each subclass by @register_attention
     takes_attn_mask = False  # an arbitrary (T, S) attn_mask, beyond causality fixed at construction
     uses_keys = True  # False for a method whose output never reads the keys (LAVO cross-attention)
     caches_source = False  # True for a cross-attention that keeps only a summary of its source
@@ -126,8 +128,6 @@ class AttentionBase(nn.Module):
             return None
         if self.takes_attn_mask and not decoding:
             return attn_mask
-        from .build import ATTENTION_CLASSES  # here, not at the top: build imports every subclass of this module
-
         takers = ", ".join(name for name, cls in ATTENTION_CLASSES.items() if cls.takes_attn_mask)
         takes = "the standard causal (future) mask only (none while decoding)" if self.causal else "no attn_mask"
         raise ValueError(
@@ -170,7 +170,7 @@ class AttentionBase(nn.Module):
         ``last_beta`` of the forward being analysed (default: ``lln_parameters(q, k, key_padding_mask)``);
         modules other than LLN's ignore it.
         Float32 for half inputs; a query with no visible key gets a row of zeros. What P is: the subclass's
-        docstring and its registry entry's ``rows_note``. No state of the module changes.
+        docstring. No state of the module changes.
         """
         raise NotImplementedError(f"{self.method} attention has no attention rows")
 

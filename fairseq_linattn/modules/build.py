@@ -1,15 +1,13 @@
-"""``ATTENTION_CLASSES`` (registry name -> module class: ``METHODS[name].module_class`` in the file named for the
-method, ``modules/<name>.py``) and ``build_attention``."""
-import importlib
+"""``build_attention``: the module of a method for a role, from ``ATTENTION_CLASSES`` (``registry.py``), which the
+method files imported here fill (``@register_attention`` on each class)."""
 from typing import Mapping, Union
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
 
+from . import kernelized, lavo, lln, lln_diag, skyformer, softmax  # noqa: F401  (each registers its class)
 from .base import AttentionBase
-
-ATTENTION_CLASSES = {name: getattr(importlib.import_module(f"{__package__}.{name}"), method.module_class)
-                     for name, method in METHODS.items()}
+from .registry import ATTENTION_CLASSES
 
 
 def build_attention(method: str, embed_dim: int, num_heads: int, *, causal: bool, dropout: float = 0.0,

@@ -4,12 +4,13 @@ import torch
 from linattn import ops
 
 from .base import AttentionBase
+from .registry import register_attention
 
 
+@register_attention("kernelized")
 class KernelizedAttention(AttentionBase):
     """Exact Gaussian-kernel attention (Skyformer §4.1); non-causal, quadratic."""
 
-    method = "kernelized"
     is_kernel_method = True
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):

@@ -6,12 +6,12 @@ from linattn import ops
 
 from .base import AttentionBase
 from .padding import over_real_tokens, rows_over_real_tokens
+from .registry import register_attention
 
 
+@register_attention("lavo")
 class LAVOAttention(AttentionBase):
     """LAVO (orthogonal memory + context dissection + relative bias, LAVO §3); self- or cross-attention."""
-
-    method = "lavo"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)

@@ -6,12 +6,12 @@ from linattn.ops import lln_decode_init, lln_decode_step
 
 from .base import AttentionBase
 from .moment_matcher import MomentMatcher
+from .registry import register_attention
 
 
+@register_attention("lln")
 class LLNAttention(AttentionBase):
     """Linear Log-Normal attention (LLN eq. 8-9) with the moment-matching hook (docs/design.md §3.1)."""
-
-    method = "lln"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)

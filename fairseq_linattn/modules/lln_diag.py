@@ -7,12 +7,12 @@ from linattn.ops import mix_lln_diag
 
 from .lln import LLNAttention
 from .padding import over_real_tokens, rows_over_real_tokens
+from .registry import register_attention
 
 
+@register_attention("lln_diag")
 class LLNDiagAttention(LLNAttention):
     """LLN+Diag (LLN §4.2): LLN mixed with softmax inside diagonal blocks."""
-
-    method = "lln_diag"
 
     def __init__(self, embed_dim, num_heads, **kw):
         super().__init__(embed_dim, num_heads, **kw)

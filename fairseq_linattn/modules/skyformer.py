@@ -4,12 +4,13 @@ import torch
 from linattn import ops
 
 from .base import AttentionBase
+from .registry import register_attention
 
 
+@register_attention("skyformer")
 class SkyformerAttention(AttentionBase):
     """Skyformer (Nyström-approximated Gaussian-kernel attention, §4.2); non-causal."""
 
-    method = "skyformer"
     is_kernel_method = True
 
     def __init__(self, embed_dim, num_heads, **kw):

@@ -5,12 +5,13 @@ from linattn import ops
 from linattn.ops import check_key_padding_mask, compute_dtype
 
 from .base import AttentionBase
+from .registry import register_attention
 
 
+@register_attention("softmax")
 class SoftmaxAttention(AttentionBase):
     """Exact scaled-dot-product attention; equals fairseq's MultiheadAttention with the same weights."""
 
-    method = "softmax"
     takes_attn_mask = True
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):

@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from linattn.analysis.synthetic import DEFAULT_VARIANCES, synthetic_curves
-from linattn.methods import METHODS
+from linattn_tools.methods_extra import METHODS_EXTRA
 
 from . import plots
 
@@ -150,10 +150,11 @@ class _Capture:
             rows = self.per_sequence[name]
             measures = {key: torch.stack([r[key] for r in rows]).nanmean(0) for key in rows[0]}  # (H,) each
             heads = [{key: value[h].item() for key, value in measures.items()} for h in range(module.num_heads)]
+            extra = METHODS_EXTRA[module.method]
             layers.append({
                 "name": name, "label": label, "type": module.method, "causal": module.causal,
                 "num_heads": module.num_heads, "head_dim": module.head_dim, "sequences": len(rows),
-                "matrix": METHODS[module.method].rows_note, "colour": METHODS[module.method].colour, "heads": heads,
+                "matrix": extra.rows_note, "colour": extra.colour, "heads": heads,
                 "mean": {key: value.nanmean().item() for key, value in measures.items()},
                 "log_p_rel": torch.cat(self.samples[name])[:20000].tolist(),
             })

@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
-from linattn.methods import benchmarked
 from linattn.ops.impls import IMPLS, resolve_impl
 from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
+from linattn_tools.methods_extra import benchmarked
 
-# the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn.methods.BENCHMARK_EXTRAS)
+# the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn_tools.methods_extra)
 OPS = benchmarked()
 METHODS = tuple(OPS)
 CAUSAL = {name for name, op in OPS.items() if op.causal}
@@ -92,7 +92,7 @@ def make_inputs(n: int, args, device, dtype) -> dict:
 
 
 def forward(method: str, causal: bool, x: dict, args):
-    """The op's output and the tensors its gradient is taken for (the registry's ``benchmark_op``)."""
+    """The op's output and the tensors its gradient is taken for (its ``benchmark_op``)."""
     if method not in OPS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     op = OPS[method]
@@ -124,7 +124,7 @@ def series_name(method: str, causal: bool) -> str:
 
 
 def title(name: str) -> str:
-    """A series' name for plots: 'lln_diag causal' -> 'LLN+Diag causal' (the registry's titles)."""
+    """A series' name for plots: 'lln_diag causal' -> 'LLN+Diag causal' (the ops' titles)."""
     method, _, rest = name.partition(" ")
     return " ".join([OPS[method].title if method in OPS else method] + ([rest] if rest else []))
 

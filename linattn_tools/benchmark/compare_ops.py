@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
-from linattn.methods import METHODS
 from linattn_tools.benchmark import cli, measure, report
+from linattn_tools.methods_extra import METHODS_EXTRA
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
 TOLERANCE = 0.05  # the time target of the allocation-light ops: no op slower than before with --malloc keep (±5 %)
@@ -69,11 +69,11 @@ def inputs(n: int, b: int = 1, h: int = 12, d: int = 64):
 
 
 def call(mod, case: str, x) -> None:
-    """One forward + gradient w.r.t. every input of ``case`` with the ops module ``mod`` (the registry's
+    """One forward + gradient w.r.t. every input of ``case`` with the ops module ``mod`` (its
     ``benchmark_op``; chunk and blocks 64, LAVO w = 64, Skyformer 128 landmarks)."""
     (q, k, v), grad, alpha, beta, (bases, bias) = x
     name, causal = case.split(" ")[0], case.endswith("causal")
-    op = METHODS[name]
+    op = METHODS_EXTRA[name]
     settings = {"alpha": alpha, "beta": beta, "chunk_size": 64, "block_size": 64, "window": 64, "landmarks": 128,
                 "lavo_bases": bases, "lavo_bias": bias}
     out = op.benchmark_op(mod, q, k, v, causal, settings)

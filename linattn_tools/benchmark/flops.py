@@ -4,12 +4,12 @@ A multiply-add is 2 FLOPs; only matrix products are counted (exp, softmax, masks
 time / (FLOPs / matmul rate) is a lower bound's ratio: the "FLOP floor" of the benchmark tables). A backward
 costs two matmuls per forward matmul, so a training step (forward + backward) is 3× the forward.
 The per-method counts are declared with each method (``linattn.methods``, ``Method.flops``; block softmax's
-in ``BENCHMARK_EXTRAS``).
+in ``linattn_tools.methods_extra.BENCHMARK_EXTRAS``).
 """
 from typing import Dict
 
 from linattn.config import AttentionConfig
-from linattn.methods import benchmarked
+from linattn_tools.methods_extra import benchmarked
 
 
 def forward_flops(method: str, n: int, d: int, *, causal: bool, opts: Dict[str, int]) -> float:

@@ -16,9 +16,10 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq_linattn.modules.build import build_attention
-from linattn.methods import METHODS, methods_for
+from linattn.methods import methods_for
 from linattn.profiling import count_dispatch, saved_bytes
 from linattn_tools.benchmark.report import write_section
+from linattn_tools.methods_extra import METHODS_EXTRA
 
 ROLES = {"encoder": False, "decoder": True}
 
@@ -79,7 +80,7 @@ def _line(row: dict, lengths: List[int]) -> str:
     counts = " ".join(f"{row['counts'][str(n)]['ops']:>6}" for n in lengths)
     syncs = max(row["counts"][str(n)]["syncs"] for n in lengths)
     saved = row.get("bf16_saved_bytes")
-    return f"{METHODS[row['method']].title:<24} {row['role']:<8} {counts} {syncs:>6} {saved if saved else '':>12}"
+    return f"{METHODS_EXTRA[row['method']].title:<24} {row['role']:<8} {counts} {syncs:>6} {saved if saved else '':>12}"
 
 
 def _by_case(res: dict) -> Dict[tuple, dict]:
@@ -96,7 +97,7 @@ def render(before: dict, forms: List[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cases = [_by_case(res) for _, res in sets]
     for key in cases[0]:
-        cells = [METHODS[key[0]].title, key[1]]
+        cells = [METHODS_EXTRA[key[0]].title, key[1]]
         cells += [str(c[key]["counts"][str(n)]["ops"]) if key in c else "–" for c in cases for n in lengths]
         cells += [str(max(c[key]["counts"][str(n)]["syncs"] for n in lengths)) if key in c else "–" for c in cases]
         for c in cases:

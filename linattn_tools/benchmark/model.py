@@ -38,8 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from linattn.methods import METHODS, methods_for
+from linattn.methods import methods_for
 from linattn_tools.benchmark import cli, fairseq_models, fit, measure, report, sweep
+from linattn_tools.methods_extra import METHODS_EXTRA
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "model.json"
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_model.png"
@@ -316,7 +317,7 @@ def longest_update_table(res: dict) -> str:
             continue
         totals = [r["peak_bytes"] + r["state_bytes"] for r in ok]
         f = fit.longest_n([r["n"] for r in ok], totals, budget,
-                          quadratic=METHODS[method].dropout_keeps_matrix and c["attention_dropout"] > 0)
+                          quadratic=METHODS_EXTRA[method].dropout_keeps_matrix and c["attention_dropout"] > 0)
         longest = f"{f['n_max']:,.0f}" if f["grid_max"] else "n/a (memory does not grow with N)"
         lines.append(f"| {method} | {totals[-1] / 2 ** 30:.2f} GiB at {ok[-1]['n']} | {longest} "
                      f"| {f['grid_max'] or ''} |")
@@ -368,7 +369,7 @@ def plot(res: dict, path: Path) -> None:
     series = {}
     for part, label in (("train", "train"), ("decode", "decode"), ("cross", "cross-attention")):
         if part in res:
-            series.update({f"{label} {METHODS[m].title if m in METHODS else m}": rows
+            series.update({f"{label} {METHODS_EXTRA[m].title if m in METHODS_EXTRA else m}": rows
                            for m, rows in res[part]["points"].items()})
     report.plot_loglog(series, path, "linattn_roberta_base update and linattn_lm_gpt decoding",
                        panels=(("median_s", "seconds per update / per token", 1.0),))

@@ -45,6 +45,7 @@ def speed_stage(settings: Settings) -> Stage:
 
     from linattn.methods import METHODS
     from linattn.ops.impls import resolve_impl
+    from linattn_tools.methods_extra import METHODS_EXTRA
 
     judged = resolve_impl("auto", torch.device(settings.device))
     stage = Stage("speed", note=f"verdict on the {judged} form (auto on {settings.device})" if settings.cuda else
@@ -62,7 +63,7 @@ def speed_stage(settings: Settings) -> Stage:
     res = results[judged]
     n = max(p["n"] for pts in res["points"].values() for p in pts)
     for name, method in METHODS.items():
-        if method.quadratic:
+        if METHODS_EXTRA[name].quadratic:
             continue
         for causal in (False, True) if method.causal else (False,):
             series, sdpa = (f"{name} causal", "softmax causal") if causal else (name, "softmax")

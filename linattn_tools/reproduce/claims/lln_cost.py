@@ -2,9 +2,8 @@
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from linattn.methods import METHODS
-
 from ...benchmark.fit import longest_n
+from ...methods_extra import METHODS_EXTRA
 from ...recipes import paper_results as pr
 from .verdict import GiB, Verdict, cores, pct
 
@@ -44,7 +43,7 @@ def memory_fit(rec: Dict, method: str, dropout: Optional[float]) -> Dict:
     """Fit total update memory against N: quadratic through every point when the attention stores N x N
     probabilities (softmax with dropout), else linear through the two longest measured N."""
     pts = _cost_points(rec, method, dropout)
-    quadratic = method in METHODS and METHODS[method].dropout_keeps_matrix and dropout
+    quadratic = method in METHODS_EXTRA and METHODS_EXTRA[method].dropout_keeps_matrix and dropout
     fit = longest_n([p["n"] for p in pts], [p["total_bytes"] for p in pts], memory_budget(rec),
                     bool(quadratic))
     used = [p for p in pts if p["n"] in fit["used"]]
