@@ -66,13 +66,17 @@ class AttentionConfig:
     attention_stats_interval: int = option(0, "log attention entropy / spectral gap every K updates (0 = off)",
                                            check=_non_negative_int)
     attention_impl: str = option(
-        "auto", "execution form of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
-        "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU form); auto = looped on the CPU, "
-        "parallel on any other device",
+        "auto", "implementation of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
+        "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU implementation); auto = looped "
+        "on the CPU, parallel on any other device",
         choices=("auto", "parallel", "looped"))
     attention_compile: bool = option(
-        False, "compile each attention's op call with torch.compile (dynamic shapes): fused Triton kernels on a GPU, "
-        "C++ on the CPU; each new input shape first pays its compile time")
+        False, "compile each attention's op call with torch.compile (dynamic shapes; torch >= 2.11): fused Triton "
+        "kernels on a GPU, C++ on the CPU; each new input shape first pays its compile time")
+    attention_compile_check: str = option(
+        "first-step", "with --attention-compile: first-step = each module's first training step also runs eagerly "
+        "and training stops if the compiled output or a gradient differs (one extra step per module and run); "
+        "off = no check", choices=("first-step", "off"))
     # -- LLN and LLN+Diag
     lln_moment_matching: str = option(
         "paper", "how LLN sets alpha, beta (LLN §4.1): paper = published a, b; fit = a, b from "

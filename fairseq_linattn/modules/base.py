@@ -6,6 +6,7 @@ calls its op, and keeps an O(1)-or-O(window) incremental state for decoding. Cau
 construction (decoder self-attention), never inferred from a mask. One subclass per method, in the
 file named for it, registered under the method's name (``@register_attention``, ``registry.py``).
 """
+import functools
 import logging
 import math
 from typing import Dict, Optional, Tuple
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
 
+from . import compile_check
 from .registry import ATTENTION_CLASSES
 
 State = Dict[str, Optional[Tensor]]
@@ -43,6 +45,8 @@ class AttentionBase(nn.Module):
             raise ValueError(f"{self.method} is a non-causal method and cannot be causal (decoder) "
                              f"self-attention; causal methods: {', '.join(methods_for('decoder'))}")
         self.config = AttentionConfig() if config is None else config
+        if self.config.attention_compile:
+            compile_check.check_torch_for_compile()
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
         self.causal, self.cross = causal, cross
@@ -112,12 +116,18 @@ class AttentionBase(nn.Module):
         return self.out_proj(out), weights
 
     def _attend_call(self):
-        """``attend``, compiled once per module with ``--attention-compile`` (kept out of the module's state)."""
+        """``attend``, compiled once per module with ``--attention-compile`` (kept out of the module's state); its
+        first training step checked against eager (``compile_check``) unless ``--attention-compile-check off``."""
         if not self.config.attention_compile:
             return self.attend
         if "_compiled_attend" not in self.__dict__:
-            self.__dict__["_compiled_attend"] = torch.compile(self.attend, dynamic=True)
-        return self.__dict__["_compiled_attend"]
+            self.__dict__["_compiled_attend"] = compile_check.compile_attend(self)
+        compiled = self.__dict__["_compiled_attend"]
+        if (self.config.attention_compile_check == "first-step" and self.training and torch.is_grad_enabled()
+                and not self.__dict__.get("_compile_checked")):
+            self.__dict__["_compile_checked"] = True
+            return functools.partial(compile_check.check_first_step, self, compiled)
+        return compiled
 
     def _accepted_attn_mask(self, attn_mask: Optional[Tensor], t: int, s: int, decoding: bool) -> Optional[Tensor]:
         """The attn_mask ``attend`` must apply: None when there is none or it is the future mask a causal

@@ -10,6 +10,13 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def has_autocast(device_type: str) -> bool:
+    """Whether autocast exists on ``device_type`` (not on ``meta``). Under ``torch.compile`` it is not asked:
+    Dynamo cannot trace ``torch._C._is_autocast_available`` before torch 2.12 (a graph break in every op), and a
+    traced op runs on a real device, where autocast exists."""
+    return torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+
+
 def autocast_off(op):
     """Run ``op`` with autocast off on the device of its first argument.
 
@@ -20,9 +27,19 @@ def autocast_off(op):
     @functools.wraps(op)
     def run(q, *args, **kwargs):
         device_type = q.device.type if isinstance(q, Tensor) else "cpu"
-        if not torch.amp.is_autocast_available(device_type):  # the meta device: no autocast to turn off
+        if not has_autocast(device_type):  # the meta device: no autocast to turn off
             return op(q, *args, **kwargs)
         with torch.autocast(device_type=device_type, enabled=False):
             return op(q, *args, **kwargs)
 
     return run
+
+
+def function_output(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """What an op's ``autograd.Function.forward`` returns: ``out`` in ``dtype``; under ``torch.compile`` a copy
+    that aliases no other value of the forward and that no op has written in place. torch 2.11 (pytorch#180642)
+    gives the compiled Function a second output for such an alias (a ``.to`` to the same dtype, or a buffer
+    written with ``out=``) and routes the output's gradient to it: every input gradient comes out wrong."""
+    if torch.compiler.is_compiling():
+        return out.to(dtype, copy=True)
+    return out.to(dtype)
