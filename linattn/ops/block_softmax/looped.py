@@ -1,24 +1,48 @@
-"""Block softmax over groups of blocks of working size: q, k (B,H,N,D), v (B,H,N,Dv), blocks of bs rows."""
+"""Block softmax over groups of blocks of working size: ``BlockInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in the
+compute dtype, blocks of bs rows; the output and the gradients are written group by group into buffers allocated
+once, or into a caller's (LLN+Diag's average)."""
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import working_set
 from ..windows import Group, bmm_rows, flat_heads, group_rows, scaled_bmm, window_groups
+from .inputs import BlockInputs
+
+
+def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[Tensor, tuple]:
+    """Block softmax (B,H,N,Dv) in the compute dtype, or 0.5 (average_with + block softmax), written into
+    ``average_with``'s buffer (B,H,N,Dv); nothing to save (the backward recomputes the probabilities)."""
+    if average_with is None:
+        out = x.q.new_empty(*x.q.shape[:3], x.v.shape[-1])
+        _blocks_forward_(x, out, 1.0)
+        return out, ()
+    _blocks_forward_(x, average_with, 0.5)  # the LLN+Diag average 0.5 (LLN + Diag), LLN already in the buffer
+    return average_with, ()
+
+
+def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
+             add_to: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (compute dtype) of ``scale`` * block softmax, the probabilities recomputed per group: added into
+    ``add_to`` (another part's dq, dk, dv, as LLN's in LLN+Diag), or written into new buffers."""
+    grads = (torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(x.v)) if add_to is None else add_to
+    _blocks_backward_(x, grad, scale, grads, accumulate=add_to is not None)
+    return grads
 
 
 class _Blocks:
     """The inputs with heads flattened (B·H, N, ·), the valid keys (B·H, nb*bs, 1) or None, and the block
     groups of working size (``windows``)."""
 
-    def __init__(self, q, k, v, valid, bs: int, causal: bool):
-        b, h, n, d = q.shape
-        self.q, self.k, self.v, self.bs, self.causal = flat_heads(q), flat_heads(k), flat_heads(v), bs, causal
-        self.valid = None if valid is None else valid.expand(b, -1).repeat_interleave(h, 0)[..., None]
+    def __init__(self, x: BlockInputs):
+        b, h, n, d = x.q.shape
+        self.q, self.k, self.v = flat_heads(x.q), flat_heads(x.k), flat_heads(x.v)
+        self.bs, self.causal = x.block, x.causal
+        self.valid = None if x.mask is None else x.mask.expand(b, -1).repeat_interleave(h, 0)[..., None]
         self.scale = 1 / math.sqrt(d)
-        self.groups = window_groups(b * h, n, bs, max(d, v.shape[-1], bs), working_set.WORK_ELEMENTS)
+        self.groups = window_groups(b * h, n, x.block, max(d, x.v.shape[-1], x.block), working_set.WORK_ELEMENTS)
 
     def probs(self, g: Group) -> Tensor:
         """softmax(q k^T / sqrt(D)) inside the blocks of g (LLN §4.2), (F,bs,bs); 0 on a row with no allowed key."""
@@ -37,33 +61,22 @@ class _Blocks:
         return torch.softmax(scores, -1).masked_fill_(~has_key, 0.0)
 
 
-def blocks_forward_(q, k, v, valid, bs, causal, out, mix: float) -> None:
+def _blocks_forward_(x: BlockInputs, out: Tensor, mix: float) -> None:
     """out <- (1 - mix) out + mix * block softmax, block group by block group (mix 1: out is overwritten)."""
-    lay, out3 = _Blocks(q, k, v, valid, bs, causal), flat_heads(out)
-    for g in lay.groups:  # mix < 1: the LLN+Diag average 0.5 (LLN + Diag), LLN already in out
-        bmm_rows(out3, g, bs, lay.probs(g), group_rows(lay.v, g, bs), beta=0.0 if mix == 1 else mix, alpha=mix)
+    lay, out3 = _Blocks(x), flat_heads(out)
+    for g in lay.groups:
+        bmm_rows(out3, g, lay.bs, lay.probs(g), group_rows(lay.v, g, lay.bs), beta=0.0 if mix == 1 else mix, alpha=mix)
 
 
-def blocks_backward_(q, k, v, valid, bs, causal, grad, gscale: float, dq, dk, dv, accumulate: bool) -> None:
-    """dq, dk, dv of ``gscale`` * block softmax (probabilities recomputed per group): added, or written."""
-    lay, grad3 = _Blocks(q, k, v, valid, bs, causal), flat_heads(grad)
-    dq3, dk3, dv3 = flat_heads(dq), flat_heads(dk), flat_heads(dv)
+def _blocks_backward_(x: BlockInputs, grad: Tensor, scale: float, grads, accumulate: bool) -> None:
+    """dq, dk, dv of ``scale`` * block softmax into ``grads``: added, or written."""
+    lay, grad3, bs = _Blocks(x), flat_heads(grad), x.block
+    dq3, dk3, dv3 = (flat_heads(t) for t in grads)
     beta = 1.0 if accumulate else 0.0
     for g in lay.groups:
         p = lay.probs(g)
         gw, kw = group_rows(grad3, g, bs), group_rows(lay.k, g, bs)
         ds = torch._softmax_backward_data(torch.bmm(gw, group_rows(lay.v, g, bs).transpose(1, 2)), p, -1, p.dtype)
-        bmm_rows(dv3, g, bs, p.transpose(1, 2), gw, beta=beta, alpha=gscale)
-        bmm_rows(dq3, g, bs, ds, kw, beta=beta, alpha=gscale * lay.scale)
-        bmm_rows(dk3, g, bs, ds.transpose(1, 2), group_rows(lay.q, g, bs), beta=beta, alpha=gscale * lay.scale)
-
-
-def block_valid(key_padding_mask: Optional[Tensor], n: int, bs: int, device) -> Optional[Tensor]:
-    """(B|1, nb*bs) keys a query may see (not padded, before the end), or None when every key may be seen."""
-    nb = -(-n // bs)
-    if key_padding_mask is None and nb * bs == n:
-        return None
-    valid = (torch.arange(nb * bs, device=device) < n)[None]
-    if key_padding_mask is not None:
-        valid = valid & ~torch.nn.functional.pad(key_padding_mask, (0, nb * bs - n), value=True)
-    return valid
+        bmm_rows(dv3, g, bs, p.transpose(1, 2), gw, beta=beta, alpha=scale)
+        bmm_rows(dq3, g, bs, ds, kw, beta=beta, alpha=scale * lay.scale)
+        bmm_rows(dk3, g, bs, ds.transpose(1, 2), group_rows(lay.q, g, bs), beta=beta, alpha=scale * lay.scale)

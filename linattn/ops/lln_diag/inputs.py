@@ -1,0 +1,37 @@
+"""The validated inputs of LLN+Diag's fused average: LLN's and its block softmax's, q, k, v held once."""
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+from ..block_softmax.inputs import BlockInputs, block_inputs
+from ..lln.inputs import LLNInputs
+
+
+class LLNDiagInputs(NamedTuple):
+    """The fields of ``LLNInputs`` (q, k, v, alpha, beta, the key padding mask, causal, chunk) and of the block
+    softmax's ``BlockInputs`` (its mask ``block_mask``, block): each part's inputs are ``lln`` and ``diag``."""
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    alpha: Tensor
+    beta: Tensor
+    mask: Optional[Tensor]
+    block_mask: Optional[Tensor]
+    causal: bool
+    chunk: int
+    block: int
+
+    @property
+    def lln(self) -> LLNInputs:
+        return LLNInputs(self.q, self.k, self.v, self.alpha, self.beta, self.mask, self.causal, self.chunk)
+
+    @property
+    def diag(self) -> BlockInputs:
+        return BlockInputs(self.q, self.k, self.v, self.block_mask, self.causal, self.block)
+
+
+def lln_diag_inputs(x: LLNInputs, block_size: int, impl: str) -> LLNDiagInputs:
+    """LLN's validated inputs ``x`` (constant alpha, beta: learnt scales folded into q, k would reach the block
+    softmax) with the block softmax's mask and block size for the implementation ``impl``."""
+    diag = block_inputs(x.q, x.k, x.v, x.mask, block_size, x.causal, impl)
+    return LLNDiagInputs(x.q, x.k, x.v, x.alpha, x.beta, x.mask, diag.mask, x.causal, x.chunk, diag.block)
