@@ -2,6 +2,6 @@
 
 Non-causal only. No row normalisation: ``out = C V`` with C the (unnormalised) Gaussian kernel matrix.
 """
-from .chunked import kernelized_attention
+from .autograd import kernelized_attention
 from .kernel import kernelized_kernel_matrix
 from .reference import kernel_attention_weights, kernelized_attention_reference

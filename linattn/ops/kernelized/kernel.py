@@ -1,5 +1,6 @@
-"""The Gaussian kernel (Skyformer §4.1) on q, k scaled by D^(-1/4): kappa (...,N,M) and rows of C (B,H,R,S)."""
-from typing import Optional
+"""The Gaussian kernel (Skyformer §4.1) on q, k scaled by D^(-1/4): kappa (...,N,M) and rows of C (B,H,R,S); the
+inputs of kernelized attention as its implementations take them (``KernelizedInputs``)."""
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -10,6 +11,16 @@ from ..precision import compute_dtype
 
 _NON_CAUSAL_HELP = ("causal=True is not supported: decoder self-attention needs a causal method "
                     "(`python -m linattn.methods list --role decoder`)")
+
+
+class KernelizedInputs(NamedTuple):
+    """Kernelized attention's validated inputs, in their own dtype: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv), pad (B,S)
+    or None, chunk_size: query rows per block of the looped form."""
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    pad: Optional[Tensor]
+    chunk_size: int
 
 
 def check_non_causal(method: str, what: str, causal) -> None:
@@ -31,7 +42,7 @@ def gaussian_kernel(a: Tensor, b: Tensor) -> Tensor:
     return torch.exp(exponent.clamp_max(0.0))  # the exponent is -|a_i-b_j|²/2 <= 0: clamp rounding only
 
 
-def _prepare(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]):
+def scaled_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]):
     """q, k scaled by D^(-1/4) and v, in the compute dtype; padded rows of k and v zeroed so that
     whatever they hold (even inf) reaches neither outputs nor gradients."""
     ct = compute_dtype(q)
@@ -43,7 +54,8 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]
     return qs, ks, v
 
 
-def _exact_kernel(qs: Tensor, ks: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+def masked_kernel(qs: Tensor, ks: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """C = kappa(q_s, k_s) (B,H,R,S) of scaled inputs, padded keys' columns 0."""
     c = gaussian_kernel(qs, ks)
     if key_padding_mask is not None:
         c = c.masked_fill(key_padding_mask[:, None, None, :], 0.0)
@@ -56,5 +68,5 @@ def kernelized_kernel_matrix(q: Tensor, k: Tensor, *, key_padding_mask: Optional
     ``rows`` as ``select_rows``."""
     check_qkv(q, k, k, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    qs, ks, _ = _prepare(q, k, k, key_padding_mask)
-    return _exact_kernel(qs[:, :, select_rows(rows, q.shape[2], q.device)], ks, key_padding_mask)
+    qs, ks, _ = scaled_inputs(q, k, k, key_padding_mask)
+    return masked_kernel(qs[:, :, select_rows(rows, q.shape[2], q.device)], ks, key_padding_mask)

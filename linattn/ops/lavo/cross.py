@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ..inputs import check_key_padding_mask, check_qkv
 from ..precision import autocast_off, compute_dtype
-from .inputs import _check_bases
-from .memory import _memory_readout
+from .inputs import check_bases
+from .memory import memory_readout
 
 
 @autocast_off
@@ -24,7 +24,7 @@ def lavo_cross_memory(v_src: Tensor, bases: Tensor, *, key_padding_mask: Optiona
     inputs). All a decoder needs of the source: ``lavo_cross_readout`` answers any query from it. O(S r D).
     """
     check_qkv(v_src, v_src, v_src)
-    _check_bases(bases, v_src.shape[1], v_src.shape[-1])
+    check_bases(bases, v_src.shape[1], v_src.shape[-1])
     key_padding_mask = check_key_padding_mask(key_padding_mask, v_src)
     ct = compute_dtype(v_src)
     tok = torch.ones(v_src.shape[0], v_src.shape[2], dtype=ct, device=v_src.device)
@@ -42,11 +42,11 @@ def lavo_cross_readout(q: Tensor, mean: Tensor, count: Tensor, bases: Tensor) ->
     ``mean``, ``count`` from ``lavo_cross_memory``; a row with no source token (count 0) gives 0. O(N r D).
     """
     b, h, _, d = q.shape
-    _check_bases(bases, h, d)
+    check_bases(bases, h, d)
     if tuple(mean.shape) != (b, h, bases.shape[1]) or tuple(count.shape) != (b,):
         raise ValueError(f"mean and count must have shapes (B, H, r) = {(b, h, bases.shape[1])} and (B,) = {(b,)} "
                          f"(from lavo_cross_memory), got {tuple(mean.shape)} and {tuple(count.shape)}")
     ct = mean.dtype
     qb = torch.einsum("bhnd,hrd->bhnr", q.to(ct), bases.to(ct))
-    out = _memory_readout(qb, mean[:, :, None, :], bases.to(ct), 1.0 / math.sqrt(d))
+    out = memory_readout(qb, mean[:, :, None, :], bases.to(ct), 1.0 / math.sqrt(d))
     return (out * (count > 0).to(ct)[:, None, None, None]).to(q.dtype)

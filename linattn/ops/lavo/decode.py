@@ -9,8 +9,8 @@ from torch import Tensor
 from ..inputs import check_positive_int
 from ..masking import masked_softmax
 from ..precision import autocast_off
-from .inputs import _check_lavo
-from .memory import _memory_readout
+from .inputs import check_lavo
+from .memory import memory_readout
 
 
 def lavo_init_state(batch_size: int, num_heads: int, head_dim: int, num_bases: int, *, window: int,
@@ -54,7 +54,7 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
     real tokens count positions among themselves. Equals ``lavo_attention(..., causal=True)`` at
     position ``state["position"]`` of the row's real tokens alone.
     """
-    w, key_padding_mask = _check_lavo(q_t, k_t, v_t, bases, pos_bias, window, key_padding_mask)
+    w, key_padding_mask = check_lavo(q_t, k_t, v_t, bases, pos_bias, window, key_padding_mask)
     b, h, n, d = q_t.shape
     if n != 1:
         raise ValueError(f"q_t, k_t, v_t must hold one token, shape (B, H, 1, D), got {tuple(q_t.shape)}")
@@ -73,7 +73,7 @@ def lavo_decode_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, bases: Tensor, pos_b
     mem_count = state["mem_count"]
     mean = state["mem_sum"] / mem_count.clamp_min(1)[:, None, None]
     qb = torch.einsum("bhnd,hrd->bhnr", q, bases_)
-    glob = _memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(d))
+    glob = memory_readout(qb, mean[:, :, None, :], bases_, 1.0 / math.sqrt(d))
     out = torch.where((mem_count > 0)[:, None, None, None], 0.5 * (x + glob), x)
 
     window_sum = state["window_sum"] + torch.einsum("bhd,hrd->bhr", x[:, :, 0], bases_)  # LAVO eq. 3

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_scale: float = 1.0) -> Tensor:
+def memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_scale: float = 1.0) -> Tensor:
     """softmax(q Xtil^T * scale) Xtil * out_scale with Xtil_i = mean_i * B_i (LAVO eq. 4), never forming Xtil.
 
     qb = q B^T (B,H,...,r), mean (broadcastable to qb), bases (H,r,D) -> (B,H,...,D).
@@ -16,7 +16,7 @@ def _memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_s
     return out.view(*qb.shape[:-1], bases.shape[-1])
 
 
-def _memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
+def memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
     """H = mean of B x_t over the memory tokens (LAVO eq. 3): (mean, coef of F_local, window sums B·x).
 
     causal: per window over the windows before it, mean (B,H,nw,r), coef (B,nw); else mean (B,H,r), coef (B,).
@@ -32,7 +32,7 @@ def _memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
     return wsum.sum(2) / total.clamp_min(1)[:, None, None], torch.where(total > 0, 0.5, 1.0).to(win.dtype), win
 
 
-def _memory_mean_grad(dmean: Tensor, win: Tensor, bases: Tensor, dbases: Tensor, tokw: Tensor, causal: bool):
+def memory_mean_grad(dmean: Tensor, win: Tensor, bases: Tensor, dbases: Tensor, tokw: Tensor, causal: bool):
     """dL/d(per-window sums of x) (B,H,nw,D) causal or (B,H,D), from dL/dH; adds the bases' share to dbases."""
     cnt = tokw.sum(2)
     if causal:

@@ -3,9 +3,12 @@
 The sequence is cut into nw = ceil(N/w) windows, (B,H,N,D) -> (B,H,nw,w,D), zeros past N. Each window's queries
 meet the keys they may see in one batched product (B·H·nw, w, K): K = 2w keys [previous, own window] under the
 causal band, K = w keys of the own window otherwise (LAVO §3.2-3.3). The memory is an exclusive cumulative sum
-over the windows' sums of B x_t (causal) or their total (``memory._memory_mean``, LAVO eq. 3-4).
+over the windows' sums of B x_t (causal) or their total (``memory.memory_mean``, LAVO eq. 3-4). q, k, v and the
+bases stay in their own dtype (half is saved as half) and are upcast inside; what is kept beyond the inputs and the
+window masks are the per-window sums and means (B,H,nw,·): the backward recomputes both softmaxes.
 """
 import math
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +16,8 @@ from torch import Tensor
 
 from ..precision import compute_dtype
 from ..windows import scaled_bmm
-from .memory import _memory_mean, _memory_mean_grad
+from .inputs import LavoInputs, band_bias, window_valid
+from .memory import memory_mean, memory_mean_grad
 
 
 def _windows(x: Tensor, nw: int, w: int, ct: torch.dtype) -> Tensor:
@@ -79,57 +83,61 @@ def _head_bases(bases: Tensor, b: int) -> Tensor:
     return bases.expand(b, *bases.shape).reshape(-1, *bases.shape[1:])
 
 
-class _LAVOParallel(torch.autograd.Function):
-    """LAVO self-attention 0.5 (F_local + F_global) over all windows at once, hand-written backward.
+def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],
+           window: int, causal: bool) -> LavoInputs:
+    """q, k, v, bases as given (half stays half), the band bias, the memory's tokens and the window masks
+    (``_local_masks``)."""
+    ct = compute_dtype(q)
+    valid = window_valid(q, window, key_padding_mask)
+    bias = band_bias(pos_bias.to(ct), window, causal)
+    tok = valid.to(ct)
+    drop, keyless = _local_masks(valid, bias, causal)
+    return LavoInputs(q, k, v, bases, bias, tok, drop=drop, keyless=keyless, causal=causal)
 
-    q, k, v (B,H,N,D) any float dtype (half inputs compute in float32 and are saved as they are), bases (H,r,D),
-    bias (H,w,K) compute dtype with -inf outside the band (K = 2w causal, w otherwise), valid (B,nw*w) real
-    tokens, tok (B,nw*w) the memory's tokens in the compute dtype. Saves the inputs, the masks and the per-window
-    sums and means (B,H,nw,·); the backward recomputes both softmaxes.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, bases, bias, valid, tok, causal: bool):
-        b, h, n, d = q.shape
-        w = bias.shape[1]
-        nw = tok.shape[1] // w
-        ct = compute_dtype(q)
-        qs = _windows(q, nw, w, ct).mul_(1.0 / math.sqrt(d))
-        bases_ = bases.to(ct)
-        bb = _head_bases(bases_, b)
-        drop, keyless = _local_masks(valid, bias, causal)
-        p = _local_probs(qs, _seen(k, nw, w, causal, ct), bias, drop, keyless)
-        x = torch.bmm(p.view(-1, w, p.shape[-1]), _seen(v, nw, w, causal, ct)).view(b, h, nw, w, d)  # F_local
-        tokw = tok.view(b, nw, w)
-        win = x.mul(tokw[:, None, :, :, None]).sum(3)  # sum of x_t over each window's memory tokens
-        mean, coef, win = _memory_mean(win, bases_, tokw, causal)
-        meanw = _per_window(mean, causal)
-        qb = torch.bmm(_flat(qs), bb.transpose(1, 2)).view(b, h, nw, w, -1)  # q B^T / sqrt(D)
-        pm = torch.softmax(qb.mul_(meanw), -1).mul_(meanw * 0.5)  # 0.5 p ⊙ H, p = softmax(q Xtil^T) (eq. 4)
-        out = x.mul_(coef.view(b, 1, -1, 1, 1))  # coef = 0.5 with a memory, 1 without
-        _flat(out).baddbmm_(_flat(pm), bb)  # + 0.5 F_global = 0.5 (p ⊙ H) B
-        ctx.save_for_backward(q, k, v, bases, bias, drop, keyless, tok, win, mean, coef)
-        ctx.causal = causal
-        return out.view(b, h, nw * w, d)[:, :, :n].to(q.dtype)
+def forward(x: LavoInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor, Tensor]]:
+    """0.5 (F_local + F_global) (B,H,N,D) in q's dtype (F_local alone without memory), and what ``backward`` needs:
+    the window sums of F_local (B,H,nw,D) and the memory's means and F_local's weights (``memory_mean``)."""
+    q, bias, causal = x.q, x.bias, x.causal
+    b, h, n, d = q.shape
+    w = bias.shape[1]
+    nw = x.tok.shape[1] // w
+    ct = compute_dtype(q)
+    qs = _windows(q, nw, w, ct).mul_(1.0 / math.sqrt(d))
+    bases_ = x.bases.to(ct)
+    bb = _head_bases(bases_, b)
+    p = _local_probs(qs, _seen(x.k, nw, w, causal, ct), bias, x.drop, x.keyless)
+    xl = torch.bmm(p.view(-1, w, p.shape[-1]), _seen(x.v, nw, w, causal, ct)).view(b, h, nw, w, d)  # F_local
+    tokw = x.tok.view(b, nw, w)
+    win = xl.mul(tokw[:, None, :, :, None]).sum(3)  # sum of x_t over each window's memory tokens
+    mean, coef, win = memory_mean(win, bases_, tokw, causal)
+    meanw = _per_window(mean, causal)
+    qb = torch.bmm(_flat(qs), bb.transpose(1, 2)).view(b, h, nw, w, -1)  # q B^T / sqrt(D)
+    pm = torch.softmax(qb.mul_(meanw), -1).mul_(meanw * 0.5)  # 0.5 p ⊙ H, p = softmax(q Xtil^T) (eq. 4)
+    out = xl.mul_(coef.view(b, 1, -1, 1, 1))  # coef = 0.5 with a memory, 1 without
+    _flat(out).baddbmm_(_flat(pm), bb)  # + 0.5 F_global = 0.5 (p ⊙ H) B
+    return out.view(b, h, nw * w, d)[:, :, :n].to(q.dtype), (win, mean, coef)
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, bases, bias, drop, keyless, tok, win, mean, coef = ctx.saved_tensors
-        causal = ctx.causal
-        b, h, n, d = q.shape
-        w = bias.shape[1]
-        nw = tok.shape[1] // w
-        ct = compute_dtype(q)
-        qs = _windows(q, nw, w, ct).mul_(1.0 / math.sqrt(d))
-        gw = _windows(grad, nw, w, ct)
-        bases_ = bases.to(ct)
-        tokw = tok.view(b, nw, w)
-        dq, dbases, dmean = _global_backward(qs, gw, bases_, _per_window(mean, causal), causal)
-        dwin = _memory_mean_grad(dmean, win, bases_, dbases, tokw, causal)  # dL/d(window sums of x)
-        dx = gw.mul_(coef.view(b, 1, -1, 1, 1)).addcmul_(_per_window(dwin, causal), tokw[:, None, :, :, None])
-        dk, dv, dbias = _local_backward(qs, dx, k, v, bias, drop, keyless, dq, causal)
-        grads = (t.reshape(b, h, nw * w, d)[:, :, :n].to(x.dtype) for t, x in ((dq, q), (dk, k), (dv, v)))
-        return (*grads, dbases.to(bases.dtype), dbias, None, None, None)
+
+def backward(x: LavoInputs, saved: Tuple[Tensor, Tensor, Tensor], grad: Tensor) -> LavoInputs:
+    """dq, dk, dv (B,H,N,D) and dbases (H,r,D) in their inputs' dtype, dbias (H,w,K) in the compute dtype, from
+    dL/d(out) (B,H,N,D); both softmaxes recomputed."""
+    q, k, v, bases, causal = x.q, x.k, x.v, x.bases, x.causal
+    win, mean, coef = saved
+    b, h, n, d = q.shape
+    w = x.bias.shape[1]
+    nw = x.tok.shape[1] // w
+    ct = compute_dtype(q)
+    qs = _windows(q, nw, w, ct).mul_(1.0 / math.sqrt(d))
+    gw = _windows(grad, nw, w, ct)
+    bases_ = bases.to(ct)
+    tokw = x.tok.view(b, nw, w)
+    dq, dbases, dmean = _global_backward(qs, gw, bases_, _per_window(mean, causal), causal)
+    dwin = memory_mean_grad(dmean, win, bases_, dbases, tokw, causal)  # dL/d(window sums of x)
+    dx = gw.mul_(coef.view(b, 1, -1, 1, 1)).addcmul_(_per_window(dwin, causal), tokw[:, None, :, :, None])
+    dk, dv, dbias = _local_backward(qs, dx, x, dq)
+    dq, dk, dv = (t.reshape(b, h, nw * w, d)[:, :, :n].to(y.dtype) for t, y in ((dq, q), (dk, k), (dv, v)))
+    return LavoInputs(q=dq, k=dk, v=dv, bases=dbases.to(bases.dtype), bias=dbias)
 
 
 def _global_backward(qs: Tensor, gw: Tensor, bases: Tensor, meanw: Tensor, causal: bool):
@@ -148,14 +156,14 @@ def _global_backward(qs: Tensor, gw: Tensor, bases: Tensor, meanw: Tensor, causa
     return torch.bmm(dqb, bb).view_as(qs), dbb.view(b, *bases.shape).sum(0), dmean
 
 
-def _local_backward(qs: Tensor, dx: Tensor, k: Tensor, v: Tensor, bias: Tensor, drop: Tensor, keyless: Tensor,
-                    dq: Tensor, causal: bool):
+def _local_backward(qs: Tensor, dx: Tensor, x: LavoInputs, dq: Tensor):
     """Backward of F_local = p V (LAVO §3.2-3.3) from dx (B,H,nw,w,D): adds dL/dq / sqrt(D) into dq (then scales
     it to dL/dq) and gives dL/dk, dL/dv (B,H,nw,w,D) and dL/dbias (H,w,K). Each (B·H·nw, w, K) or (·, K, D)
     temporary is dropped as soon as it is used (three at a time at most)."""
     b, h, nw, w, d = qs.shape
-    ks, vs = _seen(k, nw, w, causal, qs.dtype), _seen(v, nw, w, causal, qs.dtype)
-    p = _local_probs(qs, ks, bias, drop, keyless).view(-1, w, ks.shape[1])
+    causal = x.causal
+    ks, vs = _seen(x.k, nw, w, causal, qs.dtype), _seen(x.v, nw, w, causal, qs.dtype)
+    p = _local_probs(qs, ks, x.bias, x.drop, x.keyless).view(-1, w, ks.shape[1])
     dx = dx.view(-1, w, d)
     ds = torch.bmm(dx, vs.transpose(1, 2))  # dL/dp
     del vs

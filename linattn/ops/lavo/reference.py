@@ -10,7 +10,7 @@ from torch import Tensor
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..masking import Rows, masked_softmax, select_rows
 from ..precision import compute_dtype
-from .inputs import _check_cross, _check_lavo, _check_pos_bias
+from .inputs import check_cross, check_lavo, check_pos_bias
 
 
 def lavo_token_mixing(q: Tensor, k: Tensor, pos_bias: Tensor, *, window: int = 64, causal: bool = True,
@@ -26,7 +26,7 @@ def lavo_token_mixing(q: Tensor, k: Tensor, pos_bias: Tensor, *, window: int = 6
     """
     check_qkv(q, k, k)
     w = check_positive_int("window", window)
-    _check_pos_bias(pos_bias, q.shape[1], w)
+    check_pos_bias(pos_bias, q.shape[1], w)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     b, h, n, d = q.shape
     ct = compute_dtype(q)
@@ -74,7 +74,7 @@ def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos
                              window: int = 64, causal: bool = True,
                              key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """docs/design.md §6 materialised from ``lavo_token_mixing``: N×N A and m, memory Xtil (B,H,N,r,D)."""
-    w, key_padding_mask = _check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
+    w, key_padding_mask = check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
     local, memory, has_memory = lavo_token_mixing(q, k, pos_bias, window=w, causal=causal,
                                                   key_padding_mask=key_padding_mask)
     ct = local.dtype
@@ -90,7 +90,7 @@ def lavo_attention_reference(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos
 def lavo_cross_attention_reference(q: Tensor, k_src: Tensor, v_src: Tensor, bases: Tensor, *,
                                    key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """Materialises Xtil (B,H,r,D) = H_i * B_i with H = mean over non-padded source of B v_j."""
-    key_padding_mask = _check_cross(q, k_src, v_src, bases, key_padding_mask)
+    key_padding_mask = check_cross(q, k_src, v_src, bases, key_padding_mask)
     ct = compute_dtype(q)
     q, v, bases = q.to(ct), v_src.to(ct), bases.to(ct)
     keep = torch.ones(v.shape[0], v.shape[2], dtype=torch.bool, device=q.device)

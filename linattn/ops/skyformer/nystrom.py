@@ -1,6 +1,6 @@
-"""Skyformer's Nyström pieces: landmark rows (B,d) of X = [Q; K], M^-1 (B,H,d,d), kernel rows against the
-landmarks (B,H,rows,d) and their gradient."""
-from typing import Optional, Tuple
+"""Skyformer's Nyström pieces: the op's arguments checked, landmark rows (B,d) of X = [Q; K], M^-1 (B,H,d,d), kernel
+rows against the landmarks (B,H,rows,d), and ``NystromInputs``, what each implementation's ``inputs`` gives."""
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -15,15 +15,72 @@ GAMMA = 0.1  # ridge added to kappa(L, L) (Skyformer §4.4)
 _WHAT = "Gaussian-kernel Nyström attention over the whole sequence"
 
 
-def _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma) -> Optional[Tensor]:
+class LandmarkChoice(NamedTuple):
+    """How the landmarks are drawn: ``num_landmarks`` d, ``mode`` (``MODES``), ``generator`` for the random draws, and
+    ``training`` (a random subset redrawn each call; else evenly spaced valid rows)."""
+    num_landmarks: int
+    mode: str
+    generator: Optional[torch.Generator]
+    training: bool
+
+
+class Landmarks(NamedTuple):
+    """The landmark rows of X = [Q; K]: idx (B,d) long and used (B,d) bool (an unused slot is inert)."""
+    idx: Tensor
+    used: Tensor
+
+
+class KernelColumns(NamedTuple):
+    """What the kernel rows against the landmarks take: D^(-1/4), the landmarks L (B,H,d,D), the used slots as
+    (B,1,1,d) factors in L's dtype, the padding (B,N) or None."""
+    scale: float
+    land: Tensor
+    used: Tensor
+    pad: Optional[Tensor]
+
+
+class NystromInputs(NamedTuple):
+    """The Nyström apply's inputs (Skyformer eq. 6), as an implementation's ``inputs`` gives them; the fields it does
+    not take are None (the tensors come first, then the constants).
+
+    Both: v (B,H,N,Dv); land (B,H,d,D), the landmarks L (rows of X = [Q; K] scaled by D^(-1/4)), and m_inv (B,H,d,d),
+    M^-1, in the compute dtype; pad (B,N) or None.
+    ``looped`` (compute dtype; L and M^-1 made without autograd, its backward takes their gradient): q, k (B,H,N,D),
+    padded keys 0; idx (B,d) the landmark rows of X and used (B,d) bool their slots in use; gamma and exact_inverse,
+    with which its backward rebuilds M^-1's graph.
+    ``parallel`` (the inputs' own dtype; L and M^-1 made under autograd, which carries their gradient on): qk = X
+    (B,H,2N,D); used_cols (B,1,1,d), 1 or 0 per slot in the compute dtype; pad2 = [pad, pad] (B,2N) or None.
+
+    A backward's gradients come in the same tuple (None where there is none).
+    """
+    v: Optional[Tensor] = None
+    land: Optional[Tensor] = None
+    m_inv: Optional[Tensor] = None
+    pad: Optional[Tensor] = None
+    q: Optional[Tensor] = None
+    k: Optional[Tensor] = None
+    idx: Optional[Tensor] = None
+    used: Optional[Tensor] = None
+    qk: Optional[Tensor] = None
+    used_cols: Optional[Tensor] = None
+    pad2: Optional[Tensor] = None
+    gamma: Optional[float] = None
+    exact_inverse: Optional[bool] = None
+
+
+NYSTROM_TENSORS = NystromInputs._fields.index("gamma")  # the tensor fields of ``NystromInputs``: the first ones
+
+
+def check_skyformer(q, k, v, key_padding_mask, choice: LandmarkChoice, causal, gamma) -> Optional[Tensor]:
+    """Raise ``ValueError`` for a bad argument; the checked ``key_padding_mask``."""
     check_non_causal("skyformer", _WHAT, causal)
     check_qkv(q, k, v)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
-    check_positive_int("num_landmarks", num_landmarks)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check_positive_int("num_landmarks", choice.num_landmarks)
+    if choice.mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {choice.mode!r}")
+    if choice.generator is not None and not isinstance(choice.generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(choice.generator).__name__}")
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma < float("inf"):
         raise ValueError(f"gamma must be a finite float >= 0, got {gamma!r}")
     return key_padding_mask
@@ -65,7 +122,23 @@ def _landmark_indices(valid: Tensor, num_landmarks: int, mode: str, generator, t
     return torch.cat([idx_q, idx_k + n], dim=1), torch.cat([used_q, used_k], dim=1)
 
 
-def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+def landmark_rows(q: Tensor, key_padding_mask: Optional[Tensor], choice: LandmarkChoice) -> Landmarks:
+    """The landmark rows of [Q; K] among the non-padded tokens."""
+    b, _, n, _ = q.shape
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    return Landmarks(*_landmark_indices(valid, choice.num_landmarks, choice.mode, choice.generator, choice.training))
+
+
+def upcast_qk(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """q, k in the compute dtype, padded keys 0 (whatever they held, even inf)."""
+    ct = compute_dtype(q)
+    q_, k_ = q.to(ct), k.to(ct)
+    if key_padding_mask is not None:
+        k_ = k_.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    return q_, k_
+
+
+def gather_landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
     """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D).
 
     Padded rows count as 0 (an unused slot may point at one).
@@ -80,7 +153,7 @@ def _landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Ten
     return land
 
 
-def _kernel_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tensor:
+def landmark_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tensor:
     """M^-1 (B,H,d,d) for M = kappa(L, L) + gamma I (Skyformer §4.4); unused slots an inert identity block."""
     eye = torch.eye(used.shape[1], dtype=land.dtype, device=land.device)
     keep = (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()
@@ -90,45 +163,17 @@ def _kernel_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: boo
     return torch.linalg.pinv(m, hermitian=True)
 
 
-def _landmark_rows(q, key_padding_mask, num_landmarks, mode, generator, training) -> Tuple[Tensor, Tensor]:
-    """(landmark rows idx (B,d) of [Q; K], used (B,d) bool) among the non-padded tokens."""
-    b, _, n, _ = q.shape
-    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
-    return _landmark_indices(valid, num_landmarks, mode, generator, training)
-
-
-def _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training):
-    """(q, k in the compute dtype (padded keys 0), landmark rows idx (B,d) of [Q; K], used (B,d) bool)."""
-    idx, used = _landmark_rows(q, key_padding_mask, num_landmarks, mode, generator, training)
-    ct = compute_dtype(q)
-    q_, k_ = q.to(ct), k.to(ct)
-    if key_padding_mask is not None:
-        k_ = k_.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # whatever padded keys hold (even inf)
-    return q_, k_, idx, used
-
-
-def _kernel_rows(x: Tensor, scale: float, pad: Optional[Tensor], land: Tensor, used: Tensor, r0: int, r1: int,
-                 zero_padded: bool = False, inplace: bool = True):
+def kernel_rows(x: Tensor, cols: KernelColumns, r0: int, r1: int, zero_padded: bool = False, inplace: bool = True):
     """(x_s, C) for rows [r0, r1): x_s = x * D^(-1/4) (0 on padded rows), C = kappa(x_s, L) * used (B,H,rows,d),
     with zero rows for padded tokens if ``zero_padded`` (the keys). ``inplace=False`` where autograd records."""
-    xs = x[:, :, r0:r1] * scale
-    if pad is None:
-        c = gaussian_kernel(xs, land)
-        return xs, c.mul_(used) if inplace else c * used
-    rows = pad[:, None, r0:r1, None]
+    xs = x[:, :, r0:r1] * cols.scale
+    if cols.pad is None:
+        c = gaussian_kernel(xs, cols.land)
+        return xs, c.mul_(cols.used) if inplace else c * cols.used
+    rows = cols.pad[:, None, r0:r1, None]
     xs = xs.masked_fill_(rows, 0.0) if inplace else xs.masked_fill(rows, 0.0)
-    c = gaussian_kernel(xs, land)
-    c = c.mul_(used) if inplace else c * used
+    c = gaussian_kernel(xs, cols.land)
+    c = c.mul_(cols.used) if inplace else c * cols.used
     if not zero_padded:
         return xs, c
     return xs, c.masked_fill_(rows, 0.0) if inplace else c.masked_fill(rows, 0.0)
-
-
-def _kernel_input_grad(dc: Tensor, c: Tensor, xs: Tensor, land: Tensor, dland: Tensor) -> Tensor:
-    """dL/dx_s from dL/dC, C = exp(x_s·L - |x_s|²/2 - |L|²/2) (Skyformer §4.1); adds dL/dL into dland.
-
-    dE = dC ⊙ C; dx_s = dE L - rowsum(dE) x_s, dL = dE^T x_s - colsum(dE) L.
-    """
-    de = dc.mul_(c)
-    dland += de.transpose(-1, -2) @ xs - de.sum(-2)[..., None] * land
-    return (de @ land).sub_(de.sum(-1, keepdim=True) * xs)

@@ -7,17 +7,28 @@ from torch import Tensor
 from ..kernelized.kernel import kernel_scale
 from ..kernelized.reference import kernelized_attention_reference
 from ..masking import Rows, select_rows
-from .nystrom import GAMMA, _check_args, _kernel_inverse, _kernel_rows, _landmark_setup, _landmarks
+from .nystrom import (
+                      GAMMA,
+                      KernelColumns,
+                      LandmarkChoice,
+                      check_skyformer,
+                      gather_landmarks,
+                      kernel_rows,
+                      landmark_inverse,
+                      landmark_rows,
+                      upcast_qk,
+)
 
 
-def _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator, exact_inverse, training, gamma):
+def _nystrom_factors(q, k, key_padding_mask, choice: LandmarkChoice, exact_inverse, gamma):
     """C_Q (B,H,N,d), M^-1 (B,H,d,d), C_K (B,H,N,d) in the compute dtype (padded key rows of C_K zero)."""
-    q_, k_, idx, used = _landmark_setup(q, k, key_padding_mask, num_landmarks, mode, generator, training)
-    land = _landmarks(q_, k_, idx, key_padding_mask)
-    m_inv = _kernel_inverse(land, used, gamma, exact_inverse)
-    scale, used4 = kernel_scale(q), used[:, None, None, :]
-    _, c_q = _kernel_rows(q_, scale, key_padding_mask, land, used4, 0, q.shape[2], inplace=False)
-    _, c_k = _kernel_rows(k_, scale, key_padding_mask, land, used4, 0, q.shape[2], True, inplace=False)
+    idx, used = landmark_rows(q, key_padding_mask, choice)
+    q_, k_ = upcast_qk(q, k, key_padding_mask)
+    land = gather_landmarks(q_, k_, idx, key_padding_mask)
+    m_inv = landmark_inverse(land, used, gamma, exact_inverse)
+    cols = KernelColumns(kernel_scale(q), land, used[:, None, None, :], key_padding_mask)
+    _, c_q = kernel_rows(q_, cols, 0, q.shape[2], inplace=False)
+    _, c_k = kernel_rows(k_, cols, 0, q.shape[2], True, inplace=False)
     return c_q, m_inv, c_k
 
 
@@ -30,9 +41,9 @@ def skyformer_kernel_matrix(q: Tensor, k: Tensor, *, num_landmarks: int = 128,
     Same landmarks as ``skyformer_attention`` for the same arguments and generator state (chosen from
     all N tokens whatever ``rows``, which is as ``select_rows``).
     """
-    key_padding_mask = _check_args(q, k, k, key_padding_mask, num_landmarks, mode, generator, False, gamma)
-    c_q, m_inv, c_k = _nystrom_factors(q, k, key_padding_mask, num_landmarks, mode, generator,
-                                       exact_inverse, training, gamma)
+    choice = LandmarkChoice(num_landmarks, mode, generator, training)
+    key_padding_mask = check_skyformer(q, k, k, key_padding_mask, choice, False, gamma)
+    c_q, m_inv, c_k = _nystrom_factors(q, k, key_padding_mask, choice, exact_inverse, gamma)
     return c_q[:, :, select_rows(rows, q.shape[2], q.device)] @ m_inv @ c_k.transpose(-1, -2)
 
 
@@ -41,5 +52,6 @@ def skyformer_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, num_landma
                                   generator: Optional[torch.Generator] = None, exact_inverse: bool = False,
                                   training: bool = True, causal: bool = False, gamma: float = GAMMA) -> Tensor:
     """The exact kernelized attention C V that Skyformer approximates (arguments validated, then unused)."""
-    key_padding_mask = _check_args(q, k, v, key_padding_mask, num_landmarks, mode, generator, causal, gamma)
+    choice = LandmarkChoice(num_landmarks, mode, generator, training)
+    key_padding_mask = check_skyformer(q, k, v, key_padding_mask, choice, causal, gamma)
     return kernelized_attention_reference(q, k, v, key_padding_mask=key_padding_mask)

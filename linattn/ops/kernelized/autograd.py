@@ -1,14 +1,20 @@
-"""Kernelized attention C V in blocks of query rows: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv)."""
+"""Kernelized attention as an op: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv).
+
+No autograd Function of its own: both implementations (``IMPLEMENTATIONS``: ``looped.py``, ``parallel.py``) are
+plain autograd ops (the parallel form's input augmentation has its own small Function, SDPA its own backward), so
+each has only ``forward(x) -> out`` over ``KernelizedInputs``, and the gradient is autograd's.
+"""
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from ..impls import resolve_impl
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..precision import autocast_off
-from .kernel import _exact_kernel, _prepare, check_non_causal
-from .parallel import kernelized_sdpa
+from . import looped, parallel
+from .kernel import KernelizedInputs, check_non_causal
+
+IMPLEMENTATIONS = {"looped": looped, "parallel": parallel}
 
 
 @autocast_off
@@ -19,15 +25,12 @@ def kernelized_attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: O
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv). Exact (quadratic by nature). ``looped``: blocks of
     ``chunk_size`` query rows, so the forward holds at most chunk_size×S kernel entries; ``parallel``: one
-    ``scaled_dot_product_attention`` call on augmented inputs (``kernelized_sdpa``; chunk_size unused).
+    ``scaled_dot_product_attention`` call on augmented inputs (chunk_size unused).
     Padded keys' columns of C are zero.
     """
     check_non_causal("kernelized", "exact Gaussian-kernel attention over the whole sequence", causal)
     check_qkv(q, k, v, same_length=False)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    if resolve_impl(impl, q.device) == "parallel":
-        return kernelized_sdpa(q, k, v, key_padding_mask)
-    qs, ks, v = _prepare(q, k, v, key_padding_mask)
-    out = [_exact_kernel(qc, ks, key_padding_mask) @ v for qc in qs.split(chunk_size, dim=2)]
-    return torch.cat(out, dim=2).to(q.dtype)
+    x = KernelizedInputs(q, k, v, key_padding_mask, chunk_size)
+    return IMPLEMENTATIONS[resolve_impl(impl, q.device)].forward(x)
