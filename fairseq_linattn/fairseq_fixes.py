@@ -1,5 +1,5 @@
 """The fixes that fairseq 0.12 (fairseq-fixed 0.12.3.1) needs on today's torch and NumPy, applied together
-by ``apply_fairseq_fixes`` when the plugin is imported (tests/test_fairseq_fixes.py checks that each is still
+by ``apply_fairseq_fixes`` when the plugin is imported (tests/plugin/test_fairseq_fixes.py checks that each is still
 needed and still works).
 
 1. Checkpoints on torch >= 2.6: fairseq's ``checkpoint_utils`` calls ``torch.load(f, map_location=...)``;

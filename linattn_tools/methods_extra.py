@@ -3,7 +3,7 @@
 ``METHODS_EXTRA``: its title in tables and plots, what its module's ``attention_rows`` are and its colour (the
 analysis), how the benchmarks call its op, the shape of its cost (the benchmarks' tables and fits).
 ``BENCHMARK_EXTRAS``: ops timed beside the methods without being one (block softmax); ``benchmarked()``: both
-as ``BenchmarkOp``. A new method needs its entry here (tests/test_options.py checks every method has one).
+as ``BenchmarkOp``. A new method needs its entry here (tests/plugin/test_options.py checks every method has one).
 Pure Python: the benchmark calls get the ops module as an argument.
 """
 from dataclasses import dataclass

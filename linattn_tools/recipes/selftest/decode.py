@@ -1,6 +1,6 @@
 """The ``decode`` stage: fairseq's incremental decoding of the train stage's causal LMs equals their full forward on
 the device (float32), for a padded batch (left, right and inner padding) and after a beam reordering, as
-tests/test_fairseq_decoding.py checks on the CPU.
+tests/plugin/test_fairseq_decoding.py checks on the CPU.
 
 The sequences are long enough to cross two chunks, blocks and windows of the trained model. Token positions are left
 out (the trained weights are loaded into the same model without them): fairseq numbers a left-padded row's positions

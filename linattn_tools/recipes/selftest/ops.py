@@ -31,7 +31,7 @@ Z_LIMIT = 5.0  # |t| above 5 with 31 degrees of freedom: 2e-5 for an unbiased dr
 
 
 def rel_err(a, b) -> float:
-    """||a - b|| / ||b|| in float64 (as tests/conftest.py)."""
+    """||a - b|| / ||b|| in float64 (as tests/helpers.py)."""
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 

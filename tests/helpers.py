@@ -1,0 +1,56 @@
+"""What the tests share (fixtures and pytest options are in conftest.py): the repository root, error measures,
+padding masks, fairseq's layout, a value-and-gradient comparison, and a probe of the largest tensor an op makes."""
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+FILL_ENV = "LINATTN_FILL_UNINITIALIZED"  # =1: as ``--fill-uninitialized`` (conftest.py)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def padding_mask(batch: int, n: int, side: str, generator=None) -> torch.Tensor:
+    """(B, N) bool, True = padding; row 0 unpadded, the others padded on `side` by random amounts < N."""
+    mask = torch.zeros(batch, n, dtype=torch.bool)
+    for b in range(1, batch):
+        p = int(torch.randint(1, max(n, 2), (1,), generator=generator)) if n > 1 else 0
+        if side == "left":
+            mask[b, :p] = True
+        else:
+            mask[b, n - p:] = True
+    return mask
+
+
+def fairseq_layout(*tensors: torch.Tensor):
+    """(B,H,T,D) tensors laid out as fairseq's (T,B,H,D) projections seen as (B,H,T,D): no row is contiguous."""
+    return tuple(t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in tensors)
+
+
+def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e-9) -> None:
+    """out == ref (float64 tolerances), and so are their gradients w.r.t. ``inputs`` for one random output grad."""
+    torch.testing.assert_close(out, ref, rtol=rtol * 0.1, atol=atol * 0.1)
+    g = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+    for got, want in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op produces, to prove an op never materialises N×N."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out

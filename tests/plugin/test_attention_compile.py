@@ -1,0 +1,84 @@
+"""--attention-compile: a module whose op call runs under torch.compile gives the eager module's outputs and
+gradients, in one graph (slow: each compile takes 5-20 s on this CPU). The modules and the step are the GPU
+self-test's (``linattn_tools.recipes.selftest.compiled``), checked here with their own assertions."""
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from helpers import ROOT
+from torch._dynamo.utils import counters
+
+from linattn_tools.recipes.selftest.compiled import build_pair, training_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,causal", [("lln", True), ("lln", False), ("lln_diag", True), ("lavo", True),
+                                           ("skyformer", False), ("kernelized", False)])
+def test_compiled_module_step_equals_eager(gen, method, causal):
+    """A training step as fairseq's trainer runs it (moment folds deferred): no graph break (the matcher's
+    switches and Skyformer's landmark draw once broke it), the eager step's values (Inductor draws Skyformer's
+    random landmarks through ATen here, so that both steps draw the same)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    compiled, eager = build_pair(method, "decoder" if causal else "encoder", "cpu")
+    x = torch.randn(45, 2, compiled.embed_dim, generator=gen)
+    mask = torch.zeros(2, 45, dtype=torch.bool)
+    mask[1, 30:] = True
+    (out_c, gx_c, gp_c), (out_e, gx_e, gp_e) = (training_step(m, x, mask, seed=1) for m in (compiled, eager))
+    torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gx_c, gx_e, rtol=1e-4, atol=1e-5)
+    assert len(gp_c) == len(gp_e) > 0
+    for a, b in zip(gp_c, gp_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert "_compiled_attend" in compiled.__dict__ and "_compiled_attend" not in eager.__dict__
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+
+
+# -- the same cases on torch 2.11, whose compiled autograd.Functions routed gradients wrongly (pytorch#180642) -------
+TORCH_211_VENV = ROOT / ".venv-torch2.11"  # torch 2.11.0 from PyPI (a CUDA build; it runs on the CPU), this venv's rest
+TORCH_211_CASES = ("lln:decoder", "lln_diag:encoder", "lavo:decoder", "skyformer:encoder", "kernelized:encoder")
+RUN_CASES = """
+import json, sys, torch
+from linattn_tools.recipes.selftest.compiled import check_case
+from linattn_tools.recipes.selftest.core import Stage
+stage = Stage("compile")
+for case in sys.argv[1:]:
+    check_case(stage, *case.split(":"), "cpu")
+print(json.dumps({"torch": torch.__version__, "rows": [[r.check, r.status, r.measured] for r in stage.rows]}))
+"""
+
+
+def torch_211_python() -> Path:
+    """A venv with torch 2.11.0 that sees this venv's other packages (a .pth after its own site-packages)."""
+    python = TORCH_211_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TORCH_211_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.11.0"],
+                       check=True, timeout=1800)
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+@pytest.mark.slow
+def test_compiled_steps_equal_eager_on_torch_2_11():
+    """Before the ops returned fresh outputs while compiling, LLN's compiled gradients here were wrong (relative
+    error 1, as on the H100 with torch 2.11 + CUDA 13) and the autocast check broke its graph in two."""
+    python = torch_211_python()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(python), "-c", RUN_CASES, *TORCH_211_CASES], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["torch"].startswith("2.11."), report["torch"]
+    checked = [row for row in report["rows"] if row[1] != "INFO"]
+    assert len(checked) == 3 * len(TORCH_211_CASES), report["rows"]
+    assert all(row[1] == "PASS" for row in checked), [row for row in checked if row[1] != "PASS"]
