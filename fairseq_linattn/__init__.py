@@ -3,7 +3,8 @@
 ``linattn_roberta``, ``linattn_lm`` and ``linattn_transformer`` (``models/``) are registered by plain
 imports, as fairseq's own plugins do; ``fairseq_fixes.apply_fairseq_fixes`` makes fairseq 0.12 work on
 today's torch and NumPy; ``training_logs`` routes the attention statistics into fairseq's logging; the
-``--attention-stats-interval`` recorder (``analysis``) is attached to every model the plugin builds.
+``--attention-stats-interval`` recorder (``analysis``) is attached to every model the plugin builds;
+``options.install_cli_errors`` makes a bad plugin option end a fairseq command line as argparse does.
 The attention ops themselves live in the fairseq-free package ``linattn``; the tools (data
 preparation, benchmarks, reproduction, self-test) in ``linattn_tools``, which this package never imports.
 """
@@ -20,12 +21,14 @@ try:
     from .analysis.training_stats import install_attention_stats  # noqa: E402
     from .fairseq_fixes import apply_fairseq_fixes  # noqa: E402
     from .models.on_build import ON_BUILD  # noqa: E402
+    from .options import install_cli_errors  # noqa: E402
     from .training_logs import log_statistics_through_tasks  # noqa: E402
 finally:
     if _placeholder is not None:
         _root.removeHandler(_placeholder)
 
 apply_fairseq_fixes()
+install_cli_errors()
 log_statistics_through_tasks()
 if install_attention_stats not in ON_BUILD:
     ON_BUILD.append(install_attention_stats)

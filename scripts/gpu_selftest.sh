@@ -2,7 +2,7 @@
 # The first thing to run on a CUDA machine (docs/first_gpu_run.md): every stage of the GPU self-test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
+PY="${VENV:-$ROOT/.venv}/bin/python"  # PYTHON names setup_env.sh's base Python, not this one
 [ -x "$PY" ] || PY="$(command -v python3)"
 case "${1:-}" in
   -h|--help)

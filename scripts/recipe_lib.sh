@@ -15,7 +15,7 @@
 #                                       the config's options + OPTIONS, launched, logged to OUT/train.log
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
+PY="${VENV:-$ROOT/.venv}/bin/python"  # PYTHON names setup_env.sh's base Python, not this one
 [ -x "$PY" ] || PY="$(command -v python3 || echo python3)"
 BIN="${PY%/*}"
 USER_DIR="$ROOT/fairseq_linattn"

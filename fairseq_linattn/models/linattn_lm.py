@@ -1,7 +1,7 @@
 """``linattn_lm``: a GPT-style decoder-only LM (fairseq's transformer_lm) with causal plugin attention."""
 from dataclasses import dataclass
 
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer_lm import (
     TransformerLanguageModel,
     TransformerLanguageModelConfig,
@@ -55,6 +55,16 @@ class LinAttnLanguageModel(TransformerLanguageModel):
 
 def _validate(args):
     return check_attention_options(args, decoder_layers=args.decoder_layers)
+
+
+def linattn_lm(args):
+    """``--arch linattn_lm``, the dataclass's own architecture: fairseq registers a no-op for it (and registering
+    again is refused); this one validates at parse time, as the other architectures' functions do. fairseq's
+    parser leaves a dataclass model's unset options out of ``args`` (their defaults come at build time)."""
+    check_attention_options(args, decoder_layers=getattr(args, "decoder_layers", LinAttnLMConfig.decoder_layers))
+
+
+ARCH_CONFIG_REGISTRY["linattn_lm"] = linattn_lm
 
 
 ARCHITECTURES = ("linattn_lm_gpt", "linattn_lm_gpt2_small", "linattn_lm_tiny")  # each validates (below)

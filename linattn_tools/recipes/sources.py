@@ -7,6 +7,7 @@ hub repository works unchanged. Anything that cannot be loaded raises ``SourceEr
 saying how to pass a local path.
 """
 import hashlib
+import importlib
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -84,9 +85,23 @@ def fingerprint(source: str) -> str:
     return f"{path.resolve()}@{digest.hexdigest()}"
 
 
+PREPARE_NEEDS = ("datasets", "sentencepiece")  # every prepare command reads through the one and encodes with the other
+
+
+def require(*modules: str) -> None:
+    """SourceError in one line naming the first of ``modules`` that does not import, and how to install it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise SourceError(f"this command needs the Python package '{name}' ({err}): pip install {name}, "
+                              f"or bash scripts/setup_env.sh") from None
+
+
 def run_cli(main, argv=None) -> None:
-    """Run a prepare command; a SourceError ends it with its message and exit status 2."""
+    """Run a prepare command once its packages import; a SourceError ends it with its message and exit status 2."""
     try:
+        require(*PREPARE_NEEDS)
         main(argv)
     except SourceError as err:
         print(f"error: {err}", file=sys.stderr)

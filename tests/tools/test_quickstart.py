@@ -94,7 +94,7 @@ def test_prepared_samples_are_not_prepared_twice(quickstart):
     root, env, _ = quickstart
     marker = root / "data" / "pg19" / "bin" / ".done"
     before = marker.stat().st_mtime_ns
-    proc = run([env.get("PYTHON", str(ROOT / ".venv" / "bin" / "python")), "-m",
+    proc = run([str(ROOT / ".venv" / "bin" / "python"), "-m",
                 "linattn_tools.recipes.prepare_samples", "--out", str(root / "data")], env)
     assert proc.stdout.count("done already") == 14 and marker.stat().st_mtime_ns == before
 

@@ -36,8 +36,8 @@ printf '%s\\n' fairseq-train "$@" > "$FAKE_ARGV"; echo "fairseq-train $FAKE_TAG"
 
 @pytest.fixture
 def fake_python(tmp_path):
-    """(env, calls file, argv file): PYTHON and the first python(3) on PATH are a stand-in that records
-    its calls (and runs nothing else unless FAKE_REAL is set); fairseq-train beside it records its argv."""
+    """(env, calls file, argv file): the venv's python (VENV/bin) and the first python(3) on PATH are a stand-in
+    that records its calls (and runs nothing else unless FAKE_REAL is set); fairseq-train beside it its argv."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("python", FAKE_PYTHON), ("python3", FAKE_PYTHON), ("fairseq-train", FAKE_TRAIN)):
@@ -45,7 +45,7 @@ def fake_python(tmp_path):
         (bin_dir / name).chmod(0o755)
     calls, argv = tmp_path / "calls.txt", tmp_path / "argv.txt"
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "SAMPLE", "GPUS_PER_NODE", "OUT", "DATA")}
-    env.update(PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_CALLS=str(calls),
+    env.update(VENV=str(tmp_path), PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_CALLS=str(calls),
                FAKE_ARGV=str(argv))
     return env, calls, argv
 
@@ -66,7 +66,7 @@ def test_every_script_explains_itself_with_help(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_runs_no_python(script, fake_python):
-    env, calls, _ = fake_python  # the only python on PATH (and PYTHON) fails and says it was called
+    env, calls, _ = fake_python  # the only python on PATH (and VENV's) fails and says it was called
     for flag in ("--help", "-h"):
         proc = run_script(script, flag, env={**env, "DEVICE": "gpu"}, timeout=30)
         assert proc.returncode == 0 and proc.stdout.startswith(f"Usage: {'bash ' * (script == 'quickstart.sh')}"

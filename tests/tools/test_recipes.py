@@ -328,3 +328,14 @@ def test_encoding_with_several_workers_gives_the_same_lines(tmp_path):
     one = (tmp_path / "one.txt").read_text().splitlines()
     assert (tmp_path / "two.txt").read_text().splitlines() == one
     assert len(one) == len(src.read_text().splitlines()) and one[0] == "" and one[1].startswith("\u2581=")
+
+
+@pytest.mark.parametrize("missing", ["datasets", "sentencepiece"])
+def test_a_missing_package_stops_a_prepare_command_in_one_line_before_any_work(monkeypatch, capsys, tmp_path, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # import raises ImportError
+    calls = []
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda argv: calls.append(argv), ["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and not calls
+    assert err.count("\n") == 1 and f"needs the Python package '{missing}'" in err and f"pip install {missing}" in err
