@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from . import common, decoding, ledger, lln_cost, lln_distribution, quickstart, skyformer_error
+from . import common, decoding, ledger, lln_cost, lln_distribution, quickstart, skyformer_error, skyformer_fig1
 
 # Wall time of each group when no earlier run of it is committed (seconds, on FALLBACK_CORES shared cores).
 FALLBACK_SECONDS = {"lln_distribution": 240, "lln_cost": 300, "quickstart": 600, "skyformer_error": 120,
-                    "decoding": 1200}
+                    "skyformer_fig1": 900, "decoding": 1200}
 FALLBACK_CORES = 2
 
 
@@ -49,6 +49,12 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
         elif group == "skyformer_error":
             settings = dict(skyformer_error.QUICK if quick else skyformer_error.DEFAULTS)
             common.run_group(group, _command(group, quick), settings, lambda: skyformer_error.measure(**settings), out)
+        elif group == "skyformer_fig1":
+            settings = dict(skyformer_fig1.QUICK if quick else skyformer_fig1.DEFAULTS)
+            run_dir = Path(out) / "skyformer_fig1_runs" if quick else skyformer_fig1.RUN_DIR
+            plot = Path(out) / "skyformer_fig1.png" if quick else skyformer_fig1.PLOT
+            common.run_group(group, _command(group, quick), settings,
+                             lambda: skyformer_fig1.measure(**settings, run_dir=run_dir, plot=plot), out)
         elif group == "decoding":
             settings = dict(decoding.QUICK if quick else decoding.DEFAULTS)
             common.run_group(group, _command(group, quick), settings, lambda: decoding.measure(**settings), out)

@@ -2,6 +2,7 @@
 from typing import Dict, Optional
 
 from .claims import Verdict, evaluate_all
+from .gpu_speed import describe
 
 PAPERS = {
     "LLN": "LLN — Nahshan, Kampeas, Haleva, *Linear Log-Normal Attention with Unbiased Concentration*, ICLR 2024 "
@@ -10,6 +11,22 @@ PAPERS = {
     "Skyformer": "Skyformer — Chen, Zeng, Ji, Yang, *Skyformer: Remodel Self-Attention with Gaussian Kernel and "
                  "Nyström Method*, NeurIPS 2021",
 }
+# plots shown under a paper's table when the group that writes them has a record: (group, path from docs/, caption)
+FIGURES = {
+    "Skyformer": [("skyformer_fig1", "reproduction/skyformer_fig1.png",
+                   "Skyformer Fig. 1 the paper's way: relative spectral error of each approximation of softmax "
+                   "attention's output against the number of features d, per encoder (rows) and N (columns)")],
+}
+
+
+def _command(records: Dict[str, Dict], group: str) -> str:
+    rec = records.get(group)
+    if rec is None:
+        return "—"
+    if group == "gpu_benchmark":
+        return f"read from `{rec['source']}`" if rec.get("source") else "— (no GPU benchmark committed)"
+    return f"`{rec['command']}`"
+
 
 
 def _holds(v: Optional[Verdict]) -> str:
@@ -33,9 +50,9 @@ def _machine(rec: Dict) -> str:
 
 def _machines(records: Dict[str, Dict]) -> str:
     """"this 2-core CPU machine": the cores and device of the machines that wrote the records."""
-    cores = sorted({r["machine"]["cpu_count"] for r in records.values() if r.get("machine")})
-    devices = sorted({r["machine"].get("device", "cpu").split(":")[0].upper() for r in records.values()
-                      if r.get("machine")})
+    measured = [r for g, r in records.items() if r.get("machine") and g != "gpu_benchmark"]
+    cores = sorted({r["machine"]["cpu_count"] for r in measured})
+    devices = sorted({r["machine"].get("device", "cpu").split(":")[0].upper() for r in measured})
     if not cores:
         return "this machine"
     return f"this {'/'.join(map(str, cores))}-core {'/'.join(devices)} machine"
@@ -70,11 +87,14 @@ def render(records: Dict[str, Dict]) -> str:
         lines += [f"## {title}", "", "| # | claim | where | paper | ours | holds | command |",
                   "|---|---|---|---|---|---|---|"]
         for c, v in rows:
-            command = f"`{records[c.group]['command']}`" if c.group in records else "—"
+            command = _command(records, c.group)
             lines.append("| " + " | ".join(_cell(x) for x in (
                 f"[{c.id}](#{c.id})", c.statement, c.where, v.paper if v else "—", v.ours if v else "—",
                 _holds(v), command)) + " |")
         lines.append("")
+        for group, path, caption in FIGURES.get(paper, []):
+            if group in records:
+                lines += [f"![{caption}]({path})", "", f"*{caption}.*", ""]
     lines += ["## Notes per claim", ""]
     for c, v in verdicts:
         lines += [f"### {c.id}", ""]
@@ -90,6 +110,12 @@ def render(records: Dict[str, Dict]) -> str:
     lines += ["## Runs", "", "| result file | command | written | wall time of the measurement | machine |",
               "|---|---|---|---|---|"]
     for group, rec in records.items():
+        if group == "gpu_benchmark":
+            lines.append("| " + " | ".join(_cell(x) for x in (
+                f"`{rec['source']}`" if rec.get("source") else "GPU benchmark: none committed yet",
+                "`python -m linattn_tools.benchmark.model --device cuda` (see docs/first_gpu_run.md)",
+                rec.get("date") or "—", "—", describe(rec) or "—")) + " |")
+            continue
         lines.append("| " + " | ".join(_cell(x) for x in (
             f"`docs/reproduction/{group}.json`", f"`{rec['command']}`", rec["started"], f"{rec['wall_s']:.0f} s",
             _machine(rec))) + " |")

@@ -14,10 +14,11 @@ One module per result group: ``lln_distribution``, ``lln_cost``, ``quickstart``,
 from typing import Dict, List, Optional, Tuple
 
 from .decoding import lln_generation, table10_magnitude, table10_trend
+from .gpu import lavo_generation_gpu, lavo_speed_gpu, lln_speed_gpu
 from .lln_cost import memory_fit, power_exponent, table2_diag_memory, table2_longest, table2_speed, table2_time_linear
 from .lln_distribution import fig2_entropy, fig2_gap, fig5b_exact, fig5b_fit, fig5b_paper, fig5b_unmatched, prop31
 from .quickstart import lavo_flat, lln_context, softmax_degrades, table1_finetune, table1_mlm
-from .skyformer import sky_landmarks, sky_length
+from .skyformer import fig1_landmarks, fig1_length, fig1_op, fig1_others, sky_landmarks, sky_length
 from .verdict import Claim, Verdict
 
 __all__ = ["CLAIMS", "Claim", "Verdict", "evaluate_all", "memory_fit", "power_exponent"]
@@ -42,7 +43,11 @@ CLAIMS: List[Claim] = [
     Claim("lln-table2-linear", "LLN", "Table 2, §5.1",
           "LLN's training time grows linearly with N", "lln_cost", table2_time_linear),
     Claim("lln-table2-speed", "LLN", "Table 2",
-          "LLN+Diag (and LLN) train faster than softmax at long N, increasingly so", "lln_cost", table2_speed),
+          "LLN+Diag (and LLN) train faster than softmax at long N, increasingly so (CPU)", "lln_cost",
+          table2_speed),
+    Claim("lln-table2-speed-gpu", "LLN", "Table 2",
+          "LLN trains faster than softmax at N = 4096 … 16384, increasingly so (GPU)", "gpu_benchmark",
+          lln_speed_gpu),
     Claim("lln-table2-longest", "LLN", "Table 2, §5.1",
           "LLN handles at least 4× longer sequences than softmax (softmax as trained: attention dropout 0.1)",
           "lln_cost", table2_longest("lln", 0.1)),
@@ -66,15 +71,32 @@ CLAIMS: List[Claim] = [
     Claim("lavo-table2-lln", "LAVO", "Table 2 (not in it)",
           "LLN beyond its training context", "quickstart", lln_context),
     Claim("lavo-table10-trend", "LAVO", "Table 10, App. B",
-          "LAVO generates token by token faster than softmax, increasingly with L", "decoding", table10_trend),
+          "LAVO generates token by token faster than softmax, increasingly with L (CPU)", "decoding",
+          table10_trend),
     Claim("lavo-table10-8k", "LAVO", "Table 10",
-          "LAVO's generation speed-up at 8192 tokens", "decoding", table10_magnitude),
+          "LAVO's generation speed-up at 8192 tokens (CPU)", "decoding", table10_magnitude),
+    Claim("lavo-table10-gpu", "LAVO", "Table 10",
+          "LAVO's generation speed-up over softmax, at 8192 tokens and growing with L (GPU)", "gpu_benchmark",
+          lavo_generation_gpu),
+    Claim("lavo-table2-speed-gpu", "LAVO", "Table 2",
+          "LAVO trains faster than softmax (FlashAttention) at 16K tokens (GPU)", "gpu_benchmark", lavo_speed_gpu),
     Claim("lavo-table10-lln", "LAVO", "Table 10 (not in it)",
           "LLN's generation speed-up", "decoding", lln_generation),
     Claim("sky-fig1-landmarks", "Skyformer", "Fig. 1, §4.5",
-          "the Nyström approximation improves markedly with more landmarks", "skyformer_error", sky_landmarks),
+          "Skyformer's approximation of softmax attention improves markedly with more features",
+          "skyformer_fig1", fig1_landmarks),
+    Claim("sky-fig1-others", "Skyformer", "Fig. 1, §4.5",
+          "the other approximations gain little from more features", "skyformer_fig1", fig1_others),
     Claim("sky-fig1-length", "Skyformer", "Fig. 1, §5 (Limitations)",
-          "the approximation improves with longer sequences at a fixed number of landmarks",
+          "Skyformer approximates better with longer sequences at a fixed number of features",
+          "skyformer_fig1", fig1_length),
+    Claim("sky-fig1-op", "Skyformer", "Fig. 1 (not in it)",
+          "our Skyformer op in Fig. 1's setting", "skyformer_fig1", fig1_op),
+    Claim("sky-op-synthetic-landmarks", "Skyformer", "§4.3 (not a figure)",
+          "our Skyformer op against exact kernelized attention, synthetic inputs, against d",
+          "skyformer_error", sky_landmarks),
+    Claim("sky-op-synthetic-length", "Skyformer", "§4.3 (not a figure)",
+          "our Skyformer op against exact kernelized attention, synthetic inputs, against N",
           "skyformer_error", sky_length),
 ]
 

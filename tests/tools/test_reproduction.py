@@ -5,14 +5,23 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import torch
+from helpers import ROOT
 
 from linattn_tools.benchmark import fit
-from linattn_tools.reproduce import claims, common, decoding, ledger, lln_distribution, quickstart, skyformer_error
-
-ROOT = Path(__file__).resolve().parents[1]
+from linattn_tools.reproduce import (
+    claims,
+    common,
+    decoding,
+    gpu_speed,
+    ledger,
+    lln_distribution,
+    quickstart,
+    skyformer_error,
+    skyformer_fig1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +95,13 @@ def _gen(rec, method, fn):
         runs[method]["cpu_seconds"][n] = fn(int(n), runs["softmax"]["cpu_seconds"][n])
 
 
-def _sky(rec, fn):
-    for kind, per_n in rec["results"]["errors"].items():
-        for n, row in per_n.items():
-            for d in row:
-                row[d] = fn(int(n), int(d))
+def _fig1(rec, fn):
+    """errors[arm][method][N][d] = [fn(method, N, d)]."""
+    for arm in rec["results"]["arms"].values():
+        for m, per_n in arm["errors"].items():
+            for n, row in per_n.items():
+                for d in row:
+                    row[d] = [fn(m, int(n), int(d))]
 
 
 BREAKS = {  # claim id -> an edit of its result record under which the claim must not hold
@@ -117,8 +128,9 @@ BREAKS = {  # claim id -> an edit of its result record under which the claim mus
     "lavo-table2-softmax": lambda r: _lm(r, "softmax", [10.0, 10.1, 10.0]),
     "lavo-table10-trend": lambda r: _gen(r, "lavo", lambda n, sm: 2 * sm),
     "lavo-table10-8k": lambda r: _gen(r, "lavo", lambda n, sm: sm),
-    "sky-fig1-landmarks": lambda r: _sky(r, lambda n, d: 0.5),
-    "sky-fig1-length": lambda r: _sky(r, lambda n, d: n / d),
+    "sky-fig1-landmarks": lambda r: _fig1(r, lambda m, n, d: 0.5),
+    "sky-fig1-others": lambda r: _fig1(r, lambda m, n, d: 1 / d),
+    "sky-fig1-length": lambda r: _fig1(r, lambda m, n, d: n / d),
 }
 
 def _diag_like_lln(rec, factor):
@@ -156,8 +168,9 @@ MENDS = {  # claim id -> an edit under which it must hold
     "lavo-table2-softmax": lambda r: _lm(r, "softmax", [16.02, 40.33, 94.34]),
     "lavo-table10-trend": lambda r: _gen(r, "lavo", lambda n, sm: sm * 1024 / n),
     "lavo-table10-8k": lambda r: _gen(r, "lavo", lambda n, sm: sm / 4),
-    "sky-fig1-landmarks": lambda r: _sky(r, lambda n, d: 1 / d),
-    "sky-fig1-length": lambda r: _sky(r, lambda n, d: 1 / (n * d)),
+    "sky-fig1-landmarks": lambda r: _fig1(r, lambda m, n, d: 1 / d),
+    "sky-fig1-others": lambda r: _fig1(r, lambda m, n, d: 1 / d if m == "skyformer" else 0.5 - d / 1e4),
+    "sky-fig1-length": lambda r: _fig1(r, lambda m, n, d: 1 / (n * d)),
 }
 
 
@@ -273,9 +286,11 @@ def test_help_prints_the_expected_wall_time():
 def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
     ledger_path = tmp_path / "ledger.md"
     cmd = ["bash", str(ROOT / "scripts" / "reproduce.sh"), "--quick", "--only", "lln_distribution",
-           "skyformer_error", "decoding", "lln_cost", "--out", str(tmp_path), "--ledger", str(ledger_path)]
+           "skyformer_error", "skyformer_fig1", "decoding", "lln_cost", "--out", str(tmp_path), "--ledger",
+           str(ledger_path)]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    for group in ("lln_distribution", "skyformer_error", "decoding", "lln_cost"):
+    assert (tmp_path / "skyformer_fig1.png").is_file()
+    for group in ("lln_distribution", "skyformer_error", "skyformer_fig1", "decoding", "lln_cost"):
         record = json.loads((tmp_path / f"{group}.json").read_text())
         assert record["command"].startswith(f"bash scripts/reproduce.sh --only {group}")
         assert math.isfinite(record["wall_s"])
@@ -288,3 +303,74 @@ def test_the_decoding_vocabulary_is_gpt2_s_scaled_to_the_measured_layers():
 
     assert decoding.DEFAULTS["vocab"] == round(fairseq_models.GPT2_VOCAB * 2 / decoding.FULL_LAYERS / 8) * 8
     assert decoding.DEFAULTS["layers"] == 2
+
+
+# ----------------------------------------------------------------------------- Skyformer Fig. 1's encoders
+
+def test_bert_initialised_encoder_has_bert_shapes_and_scores_of_the_expected_spread():
+    enc = skyformer_fig1.initialised_encoder(skyformer_fig1.BERT, vocab=50, max_len=64, seed=0)
+    ids = torch.randint(0, 50, (64,), generator=torch.Generator().manual_seed(0))
+    q, k, v = enc.qkv_heads(ids)
+    assert q.shape == k.shape == v.shape == (1, 12, 64, 64)
+    # LayerNorm'd x (unit entries) times std-0.02 weights: q·k / 8 has std 0.02² · 768 · sqrt(64) / 8 ≈ 0.31
+    scores = q @ k.transpose(-1, -2) / 8
+    assert scores.std().item() == pytest.approx(0.02 ** 2 * 768, rel=0.25)
+
+
+def test_every_fig1_method_runs_and_skyformer_caption_is_near_exact_with_many_features():
+    enc = skyformer_fig1.initialised_encoder(skyformer_fig1.TINY, vocab=50, max_len=64, seed=0)
+    q, k, v = enc.qkv_heads(torch.arange(64) % 50)
+    exact = skyformer_fig1.fa.softmax_output(q, k, v)
+    gen = torch.Generator().manual_seed(0)
+    for m in skyformer_fig1.METHODS:
+        assert skyformer_fig1.approximate(m, q, k, v, 16, gen).shape == exact.shape
+    err = skyformer_fig1.fa.spectral_error(skyformer_fig1.approximate("skyformer", q, k, v, 128, gen), exact)
+    assert err.max().item() < 1e-6
+
+
+# ----------------------------------------------------------------------------- the GPU rows
+
+def _gpu_record(tmp_path, sm_train, lln_train, lavo_train, sm_decode, lavo_decode):
+    pts = lambda times: [{"n": n, "status": "ok", "median_s": t} for n, t in times.items()]
+    data = {"config": {"train_arch": "linattn_roberta_base", "decode_arch": "linattn_lm_gpt", "batch": 1},
+            "machine": {"device": "cuda:0", "gpu": "NVIDIA Test GPU", "cpu_count": 16},
+            "train": {"points": {"softmax": pts(sm_train), "lln": pts(lln_train), "lavo": pts(lavo_train)}},
+            "decode": {"points": {"softmax": pts(sm_decode), "lavo": pts(lavo_decode)}}, "date": "2026-11-26"}
+    (tmp_path / "cpu.json").write_text(json.dumps({"machine": {"device": "cpu"}, "train": {"points": {}}}))
+    (tmp_path / "model_gpu.json").write_text(json.dumps(data))
+    return gpu_speed.record(tmp_path)
+
+
+def _gpu_verdicts(rec):
+    return {c.id: c.evaluate(rec) for c in claims.CLAIMS if c.group == "gpu_benchmark"}
+
+
+def test_gpu_rows_hold_nothing_and_say_so_without_a_gpu_benchmark(tmp_path):
+    rec = gpu_speed.record(tmp_path)
+    assert rec["source"] is None
+    for claim_id, v in _gpu_verdicts(rec).items():
+        assert v.holds is None and "no GPU benchmark committed yet" in v.ours, claim_id
+
+
+def test_gpu_rows_are_judged_on_a_gpu_benchmark_naming_card_dtype_and_date(tmp_path):
+    ns = (4096, 8192, 16384)
+    good = _gpu_record(tmp_path, {n: n * n / 1e6 for n in ns}, {n: n / 1e3 for n in ns}, {n: n / 1e3 for n in ns},
+                       {n: n / 1e5 for n in (2048, 4096, 8192)}, {n: 0.01 for n in (2048, 4096, 8192)})
+    assert good["source"].endswith("model_gpu.json")
+    verdicts = _gpu_verdicts(good)
+    assert all(v.holds is True for v in verdicts.values()), {k: v.ours for k, v in verdicts.items()}
+    assert "NVIDIA Test GPU, float32, 2026-11-26" in verdicts["lln-table2-speed-gpu"].note
+    bad = _gpu_record(tmp_path, {n: 1.0 for n in ns}, {n: 2.0 for n in ns}, {n: 2.0 for n in ns},
+                      {n: 0.01 for n in (2048, 4096, 8192)}, {n: 0.01 for n in (2048, 4096, 8192)})
+    for claim_id, v in _gpu_verdicts(bad).items():
+        assert v.holds is False and v.cause, claim_id
+    text = ledger.render({**copy.deepcopy(common.load_results()), "gpu_benchmark": bad})
+    assert "read from `" in text and "NVIDIA Test GPU" in text
+
+
+def test_generation_total_is_the_trapezoid_over_the_step_times():
+    from linattn_tools.reproduce.claims.gpu import generation_totals
+
+    assert generation_totals({2: 1.0, 4: 3.0}, 4) == pytest.approx(2 * 1.0 + 2 * (1.0 + 3.0) / 2)
+    with pytest.raises(ValueError):
+        generation_totals({2: 1.0}, 4)
