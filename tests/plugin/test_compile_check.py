@@ -6,8 +6,10 @@ import re
 
 import pytest
 import torch
+import torch._dynamo
 
 from fairseq_linattn.modules import build_attention, compile_check
+from fairseq_linattn.modules.moment_matcher import folds_deferred
 
 CONFIG = {"attention_compile": True, "lln_chunk_size": 8, "skyformer_landmarks": 6}
 
@@ -95,3 +97,26 @@ def test_a_right_compiled_step_runs_as_without_the_check(monkeypatch, gen, metho
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     for (name, a), b in zip(checked.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,causal", [("lln", True), ("skyformer", False)])
+def test_a_real_compiled_step_passes_its_first_step_check(gen, caplog, method, causal):
+    """torch.compile for real (Inductor, C++ here), moment folds deferred as fairseq's trainer runs them: the check
+    passes, once, and says so in the log."""
+    torch._dynamo.reset()
+    module = build_attention(method, 16, 2, causal=causal, config=CONFIG)
+    with caplog.at_level("INFO", logger="fairseq_linattn.modules.compile_check"), folds_deferred():
+        for _ in range(2):
+            _step(module, *_inputs(gen))
+    assert sum("first compiled training step matches eager" in r.message for r in caplog.records) == 1
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_judged_against_the_others():
+    """A key bias under a softmax (LAVO's window): 3e-10 of noise on each side, a relative error of 1 by itself;
+    judged against the largest gradient it is 0. A wrong small gradient still shows; a missing one is infinite."""
+    big, noise = torch.ones(100), torch.full((4,), 3e-10)
+    errors = compile_check.gradient_errors([big, -noise], [big, noise])  # norms 10 and 1.2e-9: floor 1e-2
+    assert errors == [0.0, pytest.approx(1.2e-9 / 1e-2, rel=1e-6)]
+    assert compile_check.gradient_errors([big, torch.full((4,), 0.02)], [big, torch.full((4,), 0.01)])[1] == 1.0
+    assert compile_check.gradient_errors([None, None], [big, None]) == [float("inf"), 0.0]
