@@ -14,7 +14,7 @@ About 15 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose; 2 or more visib
 the .venv must hold a CUDA build of torch. Each stage prints PASS/FAIL per check with the measured number
 and its threshold:
   env        torch, CUDA, driver, GPUs, compute capability, native bfloat16 (bf16 checks skipped without);
-  ops        every method x role x float32/float16/bfloat16 x parallel/looped form, eval and train mode
+  ops        every method x role x float32/float16/bfloat16 x parallel/looped implementation, eval and train mode
              (EMA statistics, landmark redraws, dropout), forward and gradients vs the float64 reference;
   compile    --attention-compile: each method's training step compiled (Triton) vs eager, one graph;
   train      50 --fp16 updates of the sample recipes per attention: loss falls, loss_scale after warm-up

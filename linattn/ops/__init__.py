@@ -3,8 +3,8 @@
 Each fast op has a ``*_reference`` twin that materialises the N×N matrix from the paper's formula, built on
 the op's row function (``*_weights``, ``lavo_token_mixing``, the kernel matrices): rows of that matrix for
 given q, k, which the attention modules' ``attention_rows`` return for analysis. One subpackage per method:
-``reference.py`` (the formula), ``looped.py`` (the fast CPU form), ``parallel.py`` (the GPU form, docs/design.md
-§1.3), ``autograd.py`` (the op, choosing the form by ``impl``), ``decode.py``.
+``reference.py`` (the formula), ``looped.py`` (fast on CPUs), ``parallel.py`` (for GPUs, docs/design.md
+§1.3), ``autograd.py`` (the op, choosing the implementation by ``impl``), ``decode.py``.
 """
 from .block_softmax import block_softmax_attention, block_softmax_attention_reference, block_softmax_weights
 from .inputs import check_key_padding_mask, check_positive_int

@@ -1,4 +1,4 @@
-"""Helpers of the parallel forms: one bmm over all leading dims, and rows cut into chunks (B,H,nc,c,·)."""
+"""Helpers of the parallel implementations: one bmm over all leading dims, and rows cut into chunks (B,H,nc,c,·)."""
 from typing import Optional
 
 import torch

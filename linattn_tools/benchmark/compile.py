@@ -1,4 +1,4 @@
-"""The CPU time of a model update with ``--attention-compile`` against eager, both in the parallel form.
+"""The CPU time of a model update with ``--attention-compile`` against eager, both in the parallel implementation.
 
 One fairseq update of ``linattn_roberta_base`` (masked-LM forward, backward, Adam; B = 1, N tokens) per encoder
 attention, eager and with each attention module's op call under ``torch.compile(dynamic=True)``. Reported: the

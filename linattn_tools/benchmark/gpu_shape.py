@@ -87,11 +87,11 @@ def _by_case(res: dict) -> Dict[tuple, dict]:
     return {(r["method"], r["role"]): r for r in res["rows"]}
 
 
-def render(before: dict, forms: List[dict]) -> str:
-    """Markdown: per method and role, ATen ops at each length and host syncs before and in each form, then bf16
-    bytes saved for backward over softmax's (same role)."""
+def render(before: dict, impls: List[dict]) -> str:
+    """Markdown: per method and role, ATen ops at each length and host syncs before and in each implementation, then
+    bf16 bytes saved for backward over softmax's (same role)."""
     lengths = before["lengths"]
-    sets = [(f"before ({before.get('revision', 'earlier')})", before)] + [(f"`{f['impl']}`", f) for f in forms]
+    sets = [(f"before ({before.get('revision', 'earlier')})", before)] + [(f"`{f['impl']}`", f) for f in impls]
     head = ["method", "role"] + [f"{name} ops N={n}" for name, _ in sets for n in lengths] + \
         [f"{name} syncs" for name, _ in sets] + [f"{name} bf16 saved / softmax" for name, _ in sets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

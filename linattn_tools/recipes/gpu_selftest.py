@@ -3,7 +3,7 @@
 Stages, each printing PASS/FAIL per check with the measured number and its threshold:
   env        torch, CUDA and driver versions, GPUs, compute capability, native bfloat16 (bf16 checks skipped
              where it is missing);
-  ops        every method x role x dtype x execution form (parallel, looped): forward and gradients on the
+  ops        every method x role x dtype x implementation (parallel, looped): forward and gradients on the
              device against the float64 reference, eval and train mode (EMA and running statistics, landmark
              redraws, dropout), tolerances from linattn/tolerances.py;
   compile    --attention-compile: every method x role's training step compiled (Triton on a GPU) against eager,

@@ -15,7 +15,7 @@ from linattn import ops
 
 B, H, D = 3, 2, 6
 HUGE = 1e3
-IMPLS = ["parallel", "looped"]  # the forms of LLN's, LLN+Diag's and block softmax's ops (linattn.ops.impls)
+IMPLS = ["parallel", "looped"]  # the implementations of LLN's, LLN+Diag's and block softmax's ops (linattn.ops.impls)
 
 
 def _mask(gen, n):

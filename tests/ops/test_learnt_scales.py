@@ -8,7 +8,7 @@ from helpers import assert_same_values_and_grads, padding_mask
 from linattn import ops
 from linattn.ops import working_set
 
-IMPLS = ["parallel", "looped"]  # the ops' forms (linattn.ops.impls); working passes concern ``looped`` only
+IMPLS = ["parallel", "looped"]  # the ops' implementations (linattn.ops.impls); working passes concern ``looped`` only
 
 B, H, N, D, DV = 3, 3, 21, 5, 4
 

@@ -267,7 +267,7 @@ def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, mo
 @pytest.mark.slow
 @pytest.mark.parametrize("op", ["lln", "causal_lln", "causal_lln_diag", "block_softmax"])
 def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
-    """LLN (both modes), LLN+Diag's fused average and block softmax in their parallel forms under
+    """LLN (both modes), LLN+Diag's fused average and block softmax in their parallel implementations under
     ``torch.compile(fullgraph=True, dynamic=True)``: values and gradients equal eager (one shape each)."""
     q, k, v = (t.float().requires_grad_() for t in _inputs(gen, n=23))
     mask = padding_mask(2, 23, "left", gen)

@@ -184,7 +184,7 @@ def test_block_softmax_gradcheck_float64(gen, passes, causal, padded, impl):
 
 
 # Group shapes of ops/windows.py at block size 3, D = 3 and N = 12 or 13 (4 or 5 blocks a head): one block, two
-# blocks of one head, whole heads (2 × 3 heads: across the batch too); the parallel form has no groups.
+# blocks of one head, whole heads (2 × 3 heads: across the batch too); the parallel implementation has no groups.
 GROUP_WORK = {"one-block": 1, "two-blocks": 2 * 3 * 3, "whole-heads": 1 << 20}
 WORK_FORMS = [(work, "looped") for work in GROUP_WORK] + [("whole-heads", "parallel")]
 

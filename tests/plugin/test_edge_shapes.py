@@ -1,5 +1,5 @@
-"""Edge shapes for every method x role x form: lengths 1, 2, chunk +- 1, window (block) +- 1, fewer tokens than
-landmarks, and a batch with a fully padded sequence. Outputs and gradients are finite, real queries get the
+"""Edge shapes for every method x role x implementation: lengths 1, 2, chunk +- 1, window (block) +- 1, fewer tokens
+than landmarks, and a batch with a fully padded sequence. Outputs and gradients are finite, real queries get the
 reference's values, a query with no visible key gets 0 (docs/design.md §1.1-1.2), and decoding token by token
 gives the full forward's rows."""
 import contextlib
@@ -20,8 +20,9 @@ LENGTHS = sorted({1, 2, WINDOW - 1, WINDOW, WINDOW + 1, CHUNK - 1, CHUNK, CHUNK 
 assert any(n < LANDMARKS for n in LENGTHS) and any(n > LANDMARKS for n in LENGTHS)
 
 
-# The ops' two forms, each a context in which the modules (built with attention_impl "auto") run that form.
-FORMS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_impl("parallel")}
+# The ops' two implementations, each a context in which the modules (built with attention_impl "auto") run that
+# implementation.
+IMPLS = {"looped": contextlib.nullcontext, "parallel": lambda: auto_impl("parallel")}
 CASES = [(name, role) for name, m in METHODS.items() for role in m.roles]
 
 
@@ -50,14 +51,14 @@ def heads(gen, n, requires_grad=False):
             for _ in range(3)]
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("name,role", CASES)
-def test_edge_lengths_and_a_fully_padded_sequence(name, role, form, gen):
+def test_edge_lengths_and_a_fully_padded_sequence(name, role, impl, gen):
     module = make(name, role, gen)
     for n in LENGTHS:
         q, k, v = heads(gen, n, requires_grad=True)
         mask = edge_mask(n)
-        with FORMS[form]():
+        with IMPLS[impl]():
             out = module.attend(q, k if module.uses_keys else None, v, mask)
         ref = module.reference(q.detach(), k.detach(), v.detach(), mask)
         assert out.shape == (B, H, n, E // H) and torch.isfinite(out).all(), (n, out)
@@ -74,9 +75,9 @@ def test_edge_lengths_and_a_fully_padded_sequence(name, role, form, gen):
         assert all(t is None or torch.isfinite(t).all() for t in grads), n
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("name,role", CASES)
-def test_edge_lengths_in_training_give_finite_outputs_and_gradients(name, role, form, gen):
+def test_edge_lengths_in_training_give_finite_outputs_and_gradients(name, role, impl, gen):
     """Training mode, the default statistics (batch moments for LLN encoders, random Skyformer landmarks)."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     module = build_attention(name, E, H, causal=role == "decoder", cross=role == "cross",
@@ -84,7 +85,7 @@ def test_edge_lengths_in_training_give_finite_outputs_and_gradients(name, role, 
                                          skyformer_landmarks=LANDMARKS)).double().train()
     for n in LENGTHS:
         x = torch.randn(n, B, E, generator=gen, dtype=torch.float64, requires_grad=True)
-        with FORMS[form]():
+        with IMPLS[impl]():
             out, _ = module(x, x, x, key_padding_mask=edge_mask(n))
         assert torch.isfinite(out).all(), n
         out.square().sum().backward()
@@ -93,15 +94,15 @@ def test_edge_lengths_in_training_give_finite_outputs_and_gradients(name, role, 
         module.zero_grad()
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("name", [name for name, m in METHODS.items() if "decoder" in m.roles])
-def test_decoding_edge_lengths_gives_the_full_forward_rows(name, form, gen):
+def test_decoding_edge_lengths_gives_the_full_forward_rows(name, impl, gen):
     """Token by token, the first token included, with a left-padded and a fully padded sequence in the batch."""
     module = make(name, "decoder", gen)
     for n in LENGTHS:
         x = torch.randn(n, B, E, generator=gen, dtype=torch.float64)
         mask = edge_mask(n)
-        with FORMS[form]():
+        with IMPLS[impl]():
             full, _ = module(x, x, x, key_padding_mask=mask)
             state, outs = {}, []
             for t in range(n):

@@ -1,5 +1,5 @@
 """The GPU shape of every module's training step, proved on the CPU (docs/design.md §1.3): launched ATen ops that do
-not grow with the length in the parallel form, no host sync in any form, bf16 bytes saved for backward near
+not grow with the length in the parallel implementation, no host sync in any impl, bf16 bytes saved for backward near
 softmax's, and a step on the ``meta`` device."""
 import pytest
 import torch
@@ -23,12 +23,12 @@ def test_parallel_training_step_issues_a_fixed_number_of_ops(method, role):
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("form", ["parallel", "looped"])
+@pytest.mark.parametrize("impl", ["parallel", "looped"])
 @pytest.mark.parametrize("method,role", CASES)
-def test_no_host_sync_in_a_step(method, role, form, train):
+def test_no_host_sync_in_a_step(method, role, impl, train):
     """Padded batches (right padding here, left padding below), odd length, both modes: no value is read on the
     host (``.item()``, ``bool(t)``, boolean-mask indexing)."""
-    module = build(method, CAUSAL[role], form).train(train)
+    module = build(method, CAUSAL[role], impl).train(train)
     x, mask = module_step_inputs(77)
     mask = torch.stack([mask[1], mask[1].flip(0)])  # right- and left-padded rows
     step(module, x, mask)  # first call: lazy state
@@ -45,18 +45,18 @@ def test_bf16_bytes_saved_for_backward_stay_near_softmax(method, role):
     assert ours <= 1.5 * softmax, (ours / softmax, ours, softmax)
 
 
-@pytest.mark.parametrize("form", ["parallel", "looped"])
+@pytest.mark.parametrize("impl", ["parallel", "looped"])
 @pytest.mark.parametrize("method,role", CASES)
-def test_training_step_runs_on_the_meta_device(method, role, form):
+def test_training_step_runs_on_the_meta_device(method, role, impl):
     """Shapes only: deferred initialisation and sharded training build and run modules this way."""
     with torch.device("meta"):
-        module = build(method, CAUSAL[role], form, device="meta")
+        module = build(method, CAUSAL[role], impl, device="meta")
         x, mask = module_step_inputs(77, device="meta")
         step(module, x, mask)
     assert x.grad is not None and x.grad.device.type == "meta" and x.grad.shape == x.shape
 
 
-PEAK_TENSORS = 15  # the parallel form's peak, forward + backward, in (B,H,N,D) fp32 tensors: 3× SDPA's 5
+PEAK_TENSORS = 15  # the parallel implementation's peak, forward + backward, in (B,H,N,D) fp32 tensors: 3× SDPA's 5
 # (its output, dq, dk, dv, workspace; docs/benchmarks.md measures 243 MiB = 5.1 such tensors at H = 12)
 
 

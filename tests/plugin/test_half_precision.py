@@ -1,6 +1,6 @@
 """fairseq's --fp16 (a half module: inputs arrive in fp16/bf16) and --amp (autocast over an fp32 module) run every
-method's training step in the parallel form without NaN or inf, and its output stays within the tolerance table
-(linattn/tolerances.py) of the same module in float64."""
+method's training step in the parallel implementation without NaN or inf, and its output stays within the tolerance
+table (linattn/tolerances.py) of the same module in float64."""
 import copy
 
 import pytest

@@ -1,4 +1,4 @@
-"""Block softmax's parallel form (the GPU form): every block at once, one (B,H,nb,bs,bs) masked softmax.
+"""Block softmax's parallel implementation (for GPUs): every block at once, one (B,H,nb,bs,bs) masked softmax.
 
 ``BlockInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in the input dtype (upcast here: half inputs compute in
 float32) and as mask the hidden keys (B|1,1,nb,bs|1,bs), True where a query may not see a key of its block

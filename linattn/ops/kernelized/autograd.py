@@ -1,8 +1,8 @@
 """Kernelized attention as an op: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv).
 
 No autograd Function of its own: both implementations (``IMPLEMENTATIONS``: ``looped.py``, ``parallel.py``) are
-plain autograd ops (the parallel form's input augmentation has its own small Function, SDPA its own backward), so
-each has only ``forward(x) -> out`` over ``KernelizedInputs``, and the gradient is autograd's.
+plain autograd ops (the parallel implementation's input augmentation has its own small Function, SDPA its own backward),
+so each has only ``forward(x) -> out`` over ``KernelizedInputs``, and the gradient is autograd's.
 """
 from typing import Optional
 

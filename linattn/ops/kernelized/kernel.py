@@ -15,7 +15,7 @@ _NON_CAUSAL_HELP = ("causal=True is not supported: decoder self-attention needs 
 
 class KernelizedInputs(NamedTuple):
     """Kernelized attention's validated inputs, in their own dtype: q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv), pad (B,S)
-    or None, chunk_size: query rows per block of the looped form."""
+    or None, chunk_size: query rows per block of the looped implementation."""
     q: Tensor
     k: Tensor
     v: Tensor

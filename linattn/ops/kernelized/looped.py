@@ -1,4 +1,4 @@
-"""Kernelized attention's looped form (the CPU form): C V in blocks of query rows, under plain autograd."""
+"""Kernelized attention's looped implementation (for CPUs): C V in blocks of query rows, under plain autograd."""
 import torch
 from torch import Tensor
 

@@ -1,4 +1,5 @@
-"""Kernelized attention's parallel form: C V through one ``scaled_dot_product_attention`` call on augmented inputs.
+"""Kernelized attention's parallel implementation: C V through one ``scaled_dot_product_attention`` call on augmented
+inputs.
 
 With q_s, k_s = q, k scaled by D^(-1/4) (so q_s·k_s = q·k / sqrt(D), SDPA's scale), SDPA attends with the scores
 q_s·k_s - |k_s|²/2 over the keys and |q_s|²/2 over one extra "sink" key whose value is a one-hot extra column.
@@ -7,10 +8,10 @@ Shifting row i's scores by -|q_s|²/2 changes no softmax: the weights are C_ij /
 never underflows; the value columns over the extra column are then sum_j C_ij v_j exactly. Memory and saved tensors
 are SDPA's (no S×N matrix), gradients SDPA's own backward; padded keys are masked (never the sink).
 Precision: the scores are formed inside SDPA as q·k - |k|²/2 and shifted by the sink's |q|²/2, so C_ij carries an
-absolute exponent error of about eps·(|q_s|² + |k_s|²)/2 (as the looped form's exp(q·k - |q|²/2 - |k|²/2)); half
-inputs stay half (SDPA accumulates in float32) with each norm split in three half columns (hi + mid + lo), and
-their outputs, rounded to half by SDPA, carry about twice the rounding of the looped form's (measured: bf16 3.5e-3
-against 1.6e-3, relative).
+absolute exponent error of about eps·(|q_s|² + |k_s|²)/2 (as the looped implementation's exp(q·k - |q|²/2 - |k|²/2));
+half inputs stay half (SDPA accumulates in float32) with each norm split in three half columns (hi + mid + lo), and
+their outputs, rounded to half by SDPA, carry about twice the rounding of the looped implementation's (measured: bf16
+3.5e-3 against 1.6e-3, relative).
 """
 from typing import List
 

@@ -1,4 +1,4 @@
-"""LAVO self-attention's looped form (the fast CPU form): windows in groups of working size, q, k, v (B,H,N,D) as
+"""LAVO self-attention's looped implementation (fast on CPUs): windows in groups of working size, q, k, v (B,H,N,D) as
 (B·H, N, D) and w-row windows (``windows``).
 
 ``forward``'s pass 1 writes F_local into the output buffer and sums it per window, pass 2 adds the memory read-out in

@@ -1,4 +1,5 @@
-"""LAVO self-attention with every window at once (the ``parallel`` form): a fixed number of batched tensor ops.
+"""LAVO self-attention with every window at once (the ``parallel`` implementation): a fixed number of batched tensor
+ops.
 
 The sequence is cut into nw = ceil(N/w) windows, (B,H,N,D) -> (B,H,nw,w,D), zeros past N. Each window's queries
 meet the keys they may see in one batched product (B·H·nw, w, K): K = 2w keys [previous, own window] under the

@@ -1,4 +1,4 @@
-"""LLN's fast CPU form: passes over rows of working size (non-causal) and groups of chunks (causal).
+"""LLN's fast CPU implementation: passes over rows of working size (non-causal) and groups of chunks (causal).
 
 ``forward`` and ``backward`` take ``LLNInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in the compute dtype; the
 output and the gradients are written pass by pass into buffers allocated once (LLN+Diag then adds its block

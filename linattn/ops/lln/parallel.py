@@ -1,4 +1,4 @@
-"""LLN's parallel form (the GPU form): a fixed number of batched tensor ops whatever the length, no host sync.
+"""LLN's parallel implementation (for GPUs): a fixed number of batched tensor ops whatever the length, no host sync.
 
 ``forward`` and ``backward`` take ``LLNInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in the input dtype (upcast
 here: half inputs compute in float32). The stabilisation is ``looped``'s (``lln/__init__``).

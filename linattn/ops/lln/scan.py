@@ -1,4 +1,5 @@
-"""The in-place linear recurrence x[c] <- x[c] + a[c] x[c-1] of causal LLN's looped form (its chunk states)."""
+"""The in-place linear recurrence x[c] <- x[c] + a[c] x[c-1] of causal LLN's looped implementation (its chunk
+states)."""
 from torch import Tensor
 
 

@@ -1,4 +1,4 @@
-"""Skyformer's looped form (the fast CPU form): the Nyström apply out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) in
+"""Skyformer's looped implementation (fast on CPUs): the Nyström apply out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) in
 passes over rows of working size.
 
 C_Q = kappa(Q, L) and C_K = kappa(K, L) are built pass by pass and rebuilt in backward; what is kept are the inputs

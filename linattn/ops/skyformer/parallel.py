@@ -1,5 +1,5 @@
-"""Skyformer's parallel form: the Nyström apply out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) over all 2N rows of
-X = [Q; K] at once, in a number of batched ops that does not depend on N (docs/design.md §1.3).
+"""Skyformer's parallel implementation: the Nyström apply out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) over all 2N rows
+of X = [Q; K] at once, in a number of batched ops that does not depend on N (docs/design.md §1.3).
 
 ``inputs`` gathers the landmarks L from X and computes M^-1 under autograd ((B,H,d,·) tensors: autograd carries their
 gradient back to X); ``forward`` builds [C_Q; C_K] = kappa(X, L) (B,H,2N,d) whole, ``backward`` rebuilds it. X and V

@@ -1,7 +1,7 @@
 """The ``compile`` stage: ``--attention-compile`` on the device (Triton kernels on a GPU, C++ here).
 
 For every method in the encoder and decoder roles (``--quick``: causal LLN only), one module training step in the
-parallel form as fairseq's trainer runs it (moment folds deferred), compiled and eager from the same weights,
+parallel implementation as fairseq's trainer runs it (moment folds deferred), compiled and eager from the same weights,
 inputs and random draws (Inductor draws through ATen here, so that Skyformer's landmarks agree):
 - outputs, input and parameter gradients within ``linattn.tolerances``' float32 entry;
 - one Dynamo graph: a graph break would leave part of the op uncompiled;
@@ -127,7 +127,7 @@ def compile_stage(settings: Settings) -> Stage:
     todo = cases(settings.quick)
     jobs = compile_jobs(len(todo))
     stage = Stage("compile", note=("causal LLN only (--quick)" if settings.quick else
-                                   "every method, encoder and decoder, parallel form, float32")
+                                   "every method, encoder and decoder, parallel implementation, float32")
                   + (f"; {jobs} cases at once" if jobs > 1 else ""))
     if jobs == 1:
         for method, role in todo:

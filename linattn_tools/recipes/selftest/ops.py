@@ -1,4 +1,4 @@
-"""The ``ops`` stage: every method x role x dtype x execution form (``attention_impl`` parallel and looped), its
+"""The ``ops`` stage: every method x role x dtype x implementation (``attention_impl`` parallel and looped), its
 module's ``attend`` on the device, forward and input gradients, judged by ``linattn.tolerances`` (the table the CPU
 tests read):
 
@@ -21,7 +21,7 @@ from linattn.tolerances import tolerance
 from .core import Settings, Stage
 
 DTYPES = ("float32", "float16", "bfloat16")
-FORMS = ("parallel", "looped")
+IMPLS = ("parallel", "looped")
 # small settings so that blocks, chunks, windows and landmarks all come into play at N = 200 (and N = 40)
 SMALL = dict(lln_chunk_size=16, lln_diag_block_size=16, skyformer_landmarks=16, lavo_window=8)
 SIZES = {False: dict(batch=2, heads=3, n=200, head_dim=32, draws=256),
@@ -36,7 +36,7 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def build_cases(heads: int, head_dim: int, form: str, dropout: float = 0.0, seed: int = 0) -> Dict[str, object]:
+def build_cases(heads: int, head_dim: int, impl: str, dropout: float = 0.0, seed: int = 0) -> Dict[str, object]:
     """{"method role": module} for every method of the registry in every role it declares (float32, on the CPU)."""
     import torch
 
@@ -46,7 +46,7 @@ def build_cases(heads: int, head_dim: int, form: str, dropout: float = 0.0, seed
     torch.manual_seed(seed)
     return {f"{name} {role}": build_attention(name, heads * head_dim, heads, causal=role == "decoder",
                                               cross=role == "cross", dropout=dropout,
-                                              config={**SMALL, "attention_impl": form})
+                                              config={**SMALL, "attention_impl": impl})
             for name, method in METHODS.items() for role in method.roles}
 
 
@@ -180,9 +180,9 @@ def _judge_pair(stage: Stage, check: str, row: dict, tol: float, grad_tol: float
                 "" if row["ok_shape"] else "wrong output dtype or gradient set")
 
 
-def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iterable[str], form: str,
+def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iterable[str], impl: str,
                sizes: dict, seed: int = 0, dropout_module: Optional[object] = None) -> None:
-    """All rows of one case in one execution form; a crash fails that row, the others still run."""
+    """All rows of one case in one implementation; a crash fails that row, the others still run."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -192,11 +192,11 @@ def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iter
                          sizes["head_dim"])
         if dtype_name == "bfloat16" and not settings.bf16:
             for mode in ("eval", "train"):
-                stage.add(f"{name} {form} {mode} {dtype_name}", "SKIP", detail="no native bfloat16 on this GPU")
+                stage.add(f"{name} {impl} {mode} {dtype_name}", "SKIP", detail="no native bfloat16 on this GPU")
             continue
         tol, grad_tol = tolerance(module.method, dtype_name), tolerance(module.method, dtype_name, gradient=True)
         for mode, fn in (("eval", eval_row), ("train", train_row)):
-            check = f"{name} {form} {mode} {dtype_name}"
+            check = f"{name} {impl} {mode} {dtype_name}"
             try:
                 row = fn(module, settings.device, dtype_name, inputs)
             except Exception as exc:  # a crash is a failure of that case, not of the self-test
@@ -213,32 +213,32 @@ def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iter
             on_device = redraws(copy.deepcopy(module), settings.device, inputs)
             on_cpu = redraws(copy.deepcopy(module).double(), "cpu", [t.double() if t.is_floating_point() else t
                                                                        for t in inputs])
-            stage.judge(f"{name} {form} train draws", on_device == on_cpu,
+            stage.judge(f"{name} {impl} train draws", on_device == on_cpu,
                         f"redrawn per call: device {'yes' if on_device else 'no'}",
                         f"as on the CPU ({'yes' if on_cpu else 'no'})")
             if dropout_module is not None:
                 res = dropout_row(dropout_module, settings.device, inputs, sizes["draws"])
-                stage.judge(f"{name} {form} train dropout {DROPOUT}", res["finite"] and abs(res["z"]) <= Z_LIMIT,
+                stage.judge(f"{name} {impl} train dropout {DROPOUT}", res["finite"] and abs(res["z"]) <= Z_LIMIT,
                             f"bias {res['bias']:+.1e}, z {res['z']:+.1f}",
                             f"|z| <= {Z_LIMIT:g} over {sizes['draws']} draws (unbiased)",
                             f"dropout {'acts' if res['acts'] else 'does not act'} on this method's output")
         except Exception as exc:
-            stage.add(f"{name} {form} train draws/dropout", "FAIL",
+            stage.add(f"{name} {impl} train draws/dropout", "FAIL",
                       detail=f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
 
 
 def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) -> Stage:
-    """Every case in every form and dtype on ``settings.device`` (``only``: a filter on the case names)."""
+    """Every case in every impl and dtype on ``settings.device`` (``only``: a filter on the case names)."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     stage = Stage("ops", note="tolerances: linattn/tolerances.py (relative error; gradients x2)")
     sizes = SIZES[settings.quick]
-    for form in FORMS:
-        cases = build_cases(sizes["heads"], sizes["head_dim"], form)
-        dropped = build_cases(sizes["heads"], sizes["head_dim"], form, dropout=DROPOUT)
+    for impl in IMPLS:
+        cases = build_cases(sizes["heads"], sizes["head_dim"], impl)
+        dropped = build_cases(sizes["heads"], sizes["head_dim"], impl, dropout=DROPOUT)
         for name, module in cases.items():
             if only is None or only(name):
-                check_case(stage, name, module, settings, DTYPES, form, sizes, dropout_module=dropped[name])
+                check_case(stage, name, module, settings, DTYPES, impl, sizes, dropout_module=dropped[name])
     return stage

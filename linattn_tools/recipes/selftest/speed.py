@@ -1,28 +1,28 @@
-"""The ``speed`` stage: ``python -m linattn_tools.benchmark.attention`` once per execution form (``--impl parallel``
+"""The ``speed`` stage: ``python -m linattn_tools.benchmark.attention`` once per implementation (``--impl parallel``
 and ``--impl looped``), forward + backward timed between CUDA events at N = 4K, 8K and 16K.
 
 Verdict (CUDA only): at the largest N, every linear method (the registry's methods that are not quadratic) in the
-form ``auto`` picks on the device is at most as slow as SDPA with the same causality. Each row shows both forms' ATen
-op and host sync counts. On the CPU (tiny sizes) the rows are reported without a verdict.
+impl ``auto`` picks on the device is at most as slow as SDPA with the same causality. Each row shows both
+implementations' ATen op and host sync counts. On the CPU (tiny sizes) the rows are reported without a verdict.
 """
 import json
 import sys
 from typing import Dict, Optional
 
 from .core import Settings, Stage, run_logged
-from .ops import FORMS
+from .ops import IMPLS
 
 SIZES = (4096, 8192, 16384)
 
 
-def run_benchmark(settings: Settings, form: str) -> Optional[dict]:
-    """The benchmark's JSON for one form, or None (its log says why)."""
+def run_benchmark(settings: Settings, impl: str) -> Optional[dict]:
+    """The benchmark's JSON for one implementation, or None (its log says why)."""
     out = settings.stage_dir("speed")
-    result = out / f"attention_{form}.json"
-    cmd = [sys.executable, "-m", "linattn_tools.benchmark.attention", "--impl", form, "--device", settings.device,
-           "--malloc", "default", "--json", result, "--plot", out / f"attention_{form}.png"]
+    result = out / f"attention_{impl}.json"
+    cmd = [sys.executable, "-m", "linattn_tools.benchmark.attention", "--impl", impl, "--device", settings.device,
+           "--malloc", "default", "--json", result, "--plot", out / f"attention_{impl}.png"]
     cmd += ["--quick"] if settings.quick else ["--sizes", *map(str, SIZES), "--repeats", "5", "--min-repeats", "3"]
-    code = run_logged(cmd, out / f"attention_{form}.log")
+    code = run_logged(cmd, out / f"attention_{impl}.log")
     return json.loads(result.read_text()) if code == 0 and result.is_file() else None
 
 
@@ -33,9 +33,9 @@ def point(res: dict, series: str, n: int) -> Optional[dict]:
 def counts(results: Dict[str, dict], series: str, n: int) -> str:
     """'parallel 69 ops, 0 syncs; looped 69 ops, 0 syncs'."""
     parts = []
-    for form, res in results.items():
+    for impl, res in results.items():
         p = point(res, series, n)
-        parts.append(f"{form} " + ("—" if p is None or "aten_ops" not in p else
+        parts.append(f"{impl} " + ("—" if p is None or "aten_ops" not in p else
                                    f"{p['aten_ops']} ops, {p['host_syncs']} syncs, {1e3 * p['median_s']:.3g} ms"))
     return "; ".join(parts)
 
@@ -48,16 +48,16 @@ def speed_stage(settings: Settings) -> Stage:
     from linattn_tools.methods_extra import METHODS_EXTRA
 
     judged = resolve_impl("auto", torch.device(settings.device))
-    stage = Stage("speed", note=f"verdict on the {judged} form (auto on {settings.device})" if settings.cuda else
+    stage = Stage("speed", note=f"verdict on the {judged} impl (auto on {settings.device})" if settings.cuda else
                   "CPU at tiny sizes: reported without a verdict (the thresholds are for a GPU at 16K)")
     results = {}
-    for form in FORMS:
-        res = run_benchmark(settings, form)
+    for impl in IMPLS:
+        res = run_benchmark(settings, impl)
         if res is None:
-            stage.judge(f"benchmark --impl {form}", False, "no result", "exit 0",
-                        str(settings.work / "speed" / f"attention_{form}.log"))
+            stage.judge(f"benchmark --impl {impl}", False, "no result", "exit 0",
+                        str(settings.work / "speed" / f"attention_{impl}.log"))
         else:
-            results[form] = res
+            results[impl] = res
     if judged not in results:
         return stage
     res = results[judged]

@@ -26,7 +26,7 @@ SHAPES = [(8, 8, 5), (4, 5, 11), (4, 8, 12), (3, 2, 10), (1, 4, 6), (6, 8, 25)]
 
 @pytest.fixture(params=["parallel", "looped"])
 def impl(request):
-    """The op's execution form (``linattn.ops.impls``): every op test runs both."""
+    """The op's implementation (``linattn.ops.impls``): every op test runs both."""
     return request.param
 
 

@@ -28,7 +28,7 @@ def mixed_mask(n: int) -> torch.Tensor:
     return mask
 
 
-IMPLS = pytest.mark.parametrize("impl", ["parallel", "looped"])  # the ops' two forms
+IMPLS = pytest.mark.parametrize("impl", ["parallel", "looped"])  # the ops' two implementations
 
 
 def rows(x: torch.Tensor, mask: torch.Tensor, b: int) -> torch.Tensor:
@@ -57,13 +57,13 @@ def test_kernelized_float32_within_1e5_of_float64_reference(gen, n, impl):
     out = ops.kernelized_attention(q, k, v, key_padding_mask=mask, chunk_size=32, impl=impl)
     ref = ops.kernelized_attention_reference(q.double(), k.double(), v.double(), key_padding_mask=mask)
     assert out.dtype == torch.float32
-    assert rel_err(out, ref) < 1e-5  # measured ~4e-7 (both forms)
+    assert rel_err(out, ref) < 1e-5  # measured ~4e-7 (both implementations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernelized_parallel_half_keeps_large_norms_precise(gen, dtype):
     # |q_s|² ~ 5000 with each key near some query: C_ij = exp(q·k - |q|²/2 - |k|²/2) cancels large terms; the
-    # parallel form's norms as 3 half columns (hi + mid + lo) keep float32's precision. Measured (10 seeds):
+    # parallel implementation's norms as 3 half columns (hi + mid + lo) keep float32's precision. Measured (10 seeds):
     # 1 column 1.5 / 1e8, 2 columns 7e-4 / 1.1e-2, 3 columns 7e-4 / 3.5e-3 (SDPA's half output) for fp16 / bf16
     n, d = 96, 32
     q = 30 * torch.randn(2, 2, n, d, generator=gen, dtype=torch.float64)
@@ -288,7 +288,8 @@ def test_half_precision_is_finite_and_close_to_float32(gen, dtype, impl):
     n = 129
     q, k, v = (torch.randn(3, 2, n, 32, generator=gen).to(dtype) for _ in range(3))
     mask = mixed_mask(n)
-    # output rounding only; measured 2e-4 / 1.7e-3, Kernelized's parallel form 4.5e-4 / 3.4e-3 (SDPA's half output)
+    # output rounding only; measured 2e-4 / 1.7e-3, Kernelized's parallel implementation 4.5e-4 / 3.4e-3 (SDPA's half
+    # output)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     skyformer_kwargs = {"num_landmarks": 32, "training": False, "impl": impl}  # eval: the same landmarks
     for fn, kwargs in ((ops.kernelized_attention, {"impl": impl}), (ops.skyformer_attention, skyformer_kwargs)):

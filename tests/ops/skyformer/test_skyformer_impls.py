@@ -1,5 +1,5 @@
-"""Skyformer's fast forms (looped: C_Q, C_K rebuilt pass by pass; parallel: all rows at once) equal C_approx V and
-each other, float64 gradcheck with padding, and the iterative M^-1's hand-written backward."""
+"""Skyformer's fast implementations (looped: C_Q, C_K rebuilt pass by pass; parallel: all rows at once) equal C_approx V
+and each other, float64 gradcheck with padding, and the iterative M^-1's hand-written backward."""
 import pytest
 import torch
 from helpers import padding_mask, rel_err
@@ -10,8 +10,8 @@ from linattn.ops.skyformer.nystrom import landmark_inverse as _kernel_inverse
 
 
 @pytest.fixture(params=["looped-one-pass", "looped-many-passes", "parallel"])
-def form(request, monkeypatch):
-    """The op's ``impl``; the looped form in one pass over the rows or in one pass per row."""
+def impl(request, monkeypatch):
+    """The op's ``impl``; the looped implementation in one pass over the rows or in one pass per row."""
     if request.param == "looped-many-passes":
         monkeypatch.setattr(working_set, "WORK_ELEMENTS", 1)
     return request.param.split("-")[0]
@@ -19,11 +19,11 @@ def form(request, monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("exact_inverse", [False, True])
-def test_skyformer_equals_its_kernel_matrix_times_values(gen, form, padded, exact_inverse):
+def test_skyformer_equals_its_kernel_matrix_times_values(gen, impl, padded, exact_inverse):
     q, k, v = (torch.randn(2, 3, 13, 4, generator=gen, dtype=torch.float64) for _ in range(3))
     mask = padding_mask(2, 13, "left", gen) if padded else None
     kw = dict(num_landmarks=6, key_padding_mask=mask, training=False, exact_inverse=exact_inverse)
-    out = ops.skyformer_attention(q, k, v, impl=form, **kw)
+    out = ops.skyformer_attention(q, k, v, impl=impl, **kw)
     c = ops.skyformer_kernel_matrix(q, k, **kw)
     v0 = v if mask is None else v.masked_fill(mask[:, None, :, None], 0.0)
     torch.testing.assert_close(out, c @ v0, rtol=1e-9, atol=1e-10)
@@ -31,11 +31,11 @@ def test_skyformer_equals_its_kernel_matrix_times_values(gen, form, padded, exac
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("mode,exact_inverse", [("stratified", False), ("uniform", False), ("stratified", True)])
-def test_skyformer_gradcheck_float64(gen, form, padded, mode, exact_inverse):
+def test_skyformer_gradcheck_float64(gen, impl, padded, mode, exact_inverse):
     q, k, v = (torch.randn(2, 1, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = padding_mask(2, 6, "right", gen) if padded else None
     fn = lambda q, k, v: ops.skyformer_attention(q, k, v, num_landmarks=4, key_padding_mask=mask, mode=mode,
-                                                 training=False, exact_inverse=exact_inverse, impl=form)
+                                                 training=False, exact_inverse=exact_inverse, impl=impl)
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
@@ -59,7 +59,8 @@ def test_parallel_equals_looped_with_gradients(gen, n, side, training):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_parallel_half_inputs_compute_in_float32_like_looped(gen, dtype):
-    """Half inputs: both forms upcast the same half values, so they agree to float32 rounding (then half's)."""
+    """Half inputs: both implementations upcast the same half values, so they agree to float32 rounding (then
+    half's)."""
     q, k, v = (torch.randn(2, 2, 33, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     mask = padding_mask(2, 33, "right", gen)
     g = torch.randn(2, 2, 33, 16, generator=gen).to(dtype)
