@@ -1,9 +1,10 @@
 """fairseq_linattn: linear-complexity self-attention for fairseq (LLN, LLN+Diag, Skyformer, LAVO).
 
-fairseq itself comes from the PyPI package ``fairseq-fixed==0.12.3.1`` (upstream fairseq packaged
-for Python 3.11). It is *not* listed in ``install_requires``: its metadata asks for torchaudio,
-which would pull a multi-GB CUDA torch. ``scripts/setup_env.sh`` installs it with ``--no-deps
---no-build-isolation`` and the list below carries fairseq's real runtime needs.
+fairseq itself comes from the sdist of ``fairseq-fixed==0.12.3.1`` (upstream fairseq 0.12 packaged for Python
+3.11+). It is *not* listed in ``install_requires``: its metadata asks for torchaudio, which would pull a multi-GB
+CUDA torch. ``scripts/setup_env.sh`` builds it for the Python in use (``scripts/fairseq_build.py``) and installs it
+without dependencies; the list below carries fairseq's real runtime needs. ``scripts/wheelhouse.py`` reads these
+lists (``setup`` caught) to fill a wheelhouse for machines without a network.
 """
 from setuptools import find_packages, setup
 
@@ -41,5 +42,8 @@ setup(
         "matplotlib",
         "pyyaml",  # configs/*.yaml (linattn_tools.recipes.config)
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6"]},
+    # Triton: its interpreter runs the fused kernels' tests on the CPU (verified with 3.6.0, which torch 2.11's CUDA
+    # wheels ship, and 3.9.0); a lower bound only, so that a CUDA torch keeps the Triton it requires
+    extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6",
+                             'triton>=3.6; platform_system == "Linux"']},
 )

@@ -67,9 +67,10 @@ class AttentionConfig:
                                            check=_non_negative_int)
     attention_impl: str = option(
         "auto", "implementation of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
-        "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU implementation); auto = looped "
-        "on the CPU, parallel on any other device",
-        choices=("auto", "parallel", "looped"))
+        "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU implementation); fused = Triton "
+        "kernels where a method has them (LLN; half inputs on CUDA; not yet run on a GPU), else parallel; auto = "
+        "looped on the CPU, parallel on any other device and under --attention-compile",
+        choices=("auto", "parallel", "looped", "fused"))
     attention_compile: bool = option(
         False, "compile each attention's op call with torch.compile (dynamic shapes; torch >= 2.11): fused Triton "
         "kernels on a GPU, C++ on the CPU; each new input shape first pays its compile time")
@@ -148,6 +149,9 @@ class AttentionConfig:
             error = check(value) if check is not None else None
             if error:
                 raise ValueError(f"{flag(f.name)} {error}")
+        if self.attention_compile and self.attention_impl == "looped":
+            raise ValueError("--attention-compile runs --attention-impl auto, parallel or fused, not looped (its "
+                             "Python loops over working passes would be unrolled into the compiled graph)")
         layers: Dict[str, List[str]] = {}
         if encoder_layers is not None:
             layers["encoder"] = layer_types(self.encoder_attention_type, encoder_layers, "encoder")

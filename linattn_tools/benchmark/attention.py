@@ -9,9 +9,13 @@ time to its FLOP floor (matmul FLOPs of the algorithm over a matmul rate measure
     python -m linattn_tools.benchmark.attention                # the full sweep (~20 min on 2 cores)
     python -m linattn_tools.benchmark.attention --quick --json /tmp/a.json
     python -m linattn_tools.benchmark.attention --from-json docs/benchmarks/attention.json --docs docs/benchmarks.md
+    python -m linattn_tools.benchmark.attention --dtype bfloat16 --tokens-per-step 32768 --impl fused  # a GPU
 
 One call = forward + ``torch.autograd.grad`` of the output w.r.t. q, k, v (and LAVO's bases and
-bias), fp32 by default. Memory: see ``linattn_tools.benchmark.measure``.
+bias), fp32 by default (``--dtype``: the training dtype). ``--tokens-per-step T``: B = T // N at each N. Each
+point records the implementation its op ran (``impls.implementation_for``: ``fused`` falls back to ``parallel``
+where its kernels cannot take the inputs), printed with SDPA's achieved TFLOP/s. Time: CUDA events on a GPU.
+Memory: see ``linattn_tools.benchmark.measure``.
 """
 import argparse
 import sys
@@ -22,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
-from linattn.ops.impls import IMPLS, resolve_impl
+from linattn.ops.impls import IMPLS, implementation_for, resolve_impl
 from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
 from linattn_tools.methods_extra import benchmarked
@@ -47,6 +51,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="B = this // N (at least 1) at each N, e.g. 32768 (the fused kernels' targets); "
+                        "default --batch")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -57,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--lavo-bases", type=int, default=64)
     p.add_argument("--landmarks", type=int, default=128, help="Skyformer landmarks")
     p.add_argument("--impl", choices=IMPLS, default="auto",
-                   help="execution form of the linear ops: parallel (GPU-shaped), looped (CPU), auto (by device)")
+                   help="implementation of the linear ops: parallel (GPU-shaped), looped (CPU), fused (Triton "
+                        "kernels where a method has them, else parallel), auto (by device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -82,13 +90,18 @@ def make_inputs(n: int, args, device, dtype) -> dict:
     """q, k, v ~ N(0, 1) (B, H, N, D) needing grad, LLN's moment-matched alpha, beta for sigma = 1,
     LAVO's orthogonal bases and zero bias as parameters, and a fixed output gradient."""
     g = torch.Generator(device="cpu").manual_seed(n)
-    shape = (args.batch, args.heads, n, args.head_dim)
+    shape = (batch_size(n, args), args.heads, n, args.head_dim)
     q, k, v, grad = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(4))
     alpha, beta = (float(x) for x in ops.lln_alpha_beta(torch.tensor(1.0), torch.tensor(1.0)))
     bases = ops.lavo_init_bases(args.heads, args.lavo_bases, args.head_dim).to(device, dtype)
     pos_bias = torch.zeros(args.heads, 2 * args.lavo_window - 1, device=device, dtype=dtype)
     return {"qkv": [t.requires_grad_() for t in (q, k, v)], "grad": grad, "alpha": alpha, "beta": beta,
             "lavo": [bases.requires_grad_(), pos_bias.requires_grad_()]}
+
+
+def batch_size(n: int, args) -> int:
+    """B at length n: ``--tokens-per-step`` // n (at least 1), else ``--batch``."""
+    return max(1, args.tokens_per_step // n) if args.tokens_per_step else args.batch
 
 
 def forward(method: str, causal: bool, x: dict, args):
@@ -110,10 +123,13 @@ def case(method: str, causal: bool, args):
             return torch.autograd.grad(out, wrt, x["grad"])
 
         def extra() -> dict:
-            """ATen ops launched and host syncs of one call (a GPU launches at least one kernel per op)."""
+            """ATen ops launched and host syncs of one call (a GPU launches at least one kernel per op), the
+            implementation the op ran and the batch."""
             with count_dispatch() as counts:
                 call()
-            return {"aten_ops": counts.launched, "host_syncs": counts.host_syncs}
+            q = x["qkv"][0]
+            return {"aten_ops": counts.launched, "host_syncs": counts.host_syncs, "batch": q.shape[0],
+                    "impl": implementation_for(method, args.impl, q)}
         call.extra = extra
         return call
     return build
@@ -170,20 +186,40 @@ def measure_all(args) -> dict:
                        time_budget=args.time_budget, memory_budget=args.memory_budget_gib * 2 ** 30,
                        warmup=args.warmup, repeats=args.repeats, min_repeats=args.min_repeats,
                        point_seconds=args.point_seconds, measure_memory=not args.no_memory)
+    print_implementations_and_sdpa_rate(result["points"], meta, args)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return {"config": config, "machine": machine, "load_start": load, "load_end": measure.load_average(),
             "series": meta, "points": result["points"],
             "matmul_flops": {str(n): rate for n, rate in result["matmul_flops"].items()}}
 
 
+def print_implementations_and_sdpa_rate(points: dict, meta: dict, args) -> None:
+    """One line per series: the implementation its op ran at each N; for SDPA, its achieved TFLOP/s."""
+    for name, rows in points.items():
+        ran = sorted({r["impl"] for r in rows if "impl" in r})
+        print(f"{name}: implementation {', '.join(ran) or 'n/a'}", flush=True)
+        if name != series_name("softmax", meta[name]["causal"]):
+            continue
+        for r in rows:
+            if r["status"] == "ok":
+                work = step_flops(vars(args), meta[name]["method"], meta[name]["causal"], r)
+                print(f"  N={r['n']}, B={r.get('batch', args.batch)}: SDPA {work / r['median_s'] / 1e12:.3f} "
+                      "TFLOP/s", flush=True)
+
+
 def floor_ratio(res: dict, name: str, row: dict) -> float:
     """Measured time over the FLOP floor (training matmul FLOPs / the matmul rate at that N)."""
-    c, m = res["config"], res["series"][name]
+    m = res["series"][name]
+    work = step_flops(res["config"], m["method"], m["causal"], row)
+    return row["median_s"] / (work / res["matmul_flops"][str(row["n"])])
+
+
+def step_flops(c: dict, method: str, causal: bool, row: dict) -> float:
+    """Matmul FLOPs of one forward + backward at a row's N and batch, under the run's config ``c``."""
     opts = {"chunk_size": c["chunk_size"], "block_size": c["block_size"], "window": c["lavo_window"],
             "bases": c["lavo_bases"], "landmarks": c["landmarks"]}  # the names flops.forward_flops reads
-    work = flops.training_flops(m["method"], row["n"], c["batch"], c["heads"], c["head_dim"], causal=m["causal"],
-                                opts=opts)
-    return row["median_s"] / (work / res["matmul_flops"][str(row["n"])])
+    return flops.training_flops(method, row["n"], row.get("batch", c["batch"]), c["heads"], c["head_dim"],
+                                causal=causal, opts=opts)
 
 
 def _row(res: dict, name: str, n: int):
@@ -277,6 +313,11 @@ def looped_targets(res: dict) -> list:
     return out
 
 
+def batch_text(c: dict) -> str:
+    """The batch of a run's config: a number, or ``T // N`` under ``--tokens-per-step``."""
+    return f"{c['tokens_per_step']} // N" if c.get("tokens_per_step") else str(c["batch"])
+
+
 def render(res: dict, image: str) -> str:
     """The results section: machine, settings, targets, then time, memory, speed-up and FLOP-floor tables."""
     c = res["config"]
@@ -312,7 +353,7 @@ def render(res: dict, image: str) -> str:
     return "\n\n".join([
         report.machine_lines(res["machine"], res["load_start"]) +
         f" Load at the end: {', '.join(f'{x:.2f}' for x in res['load_end'])}.",
-        f"B={c['batch']}, H={c['heads']}, D={c['head_dim']}, {c['dtype']}; one call = forward + gradient "
+        f"B={batch_text(c)}, H={c['heads']}, D={c['head_dim']}, {c['dtype']}; one call = forward + gradient "
         f"w.r.t. q, k, v; median of {c['min_repeats']}–{c['repeats']} calls after {c['warmup']} warm-up; "
         f"budget {c['time_budget']:g} s per call and {c['memory_budget_gib']:g} GiB. Options: causal LLN "
         f"chunk {c['chunk_size']}, blocks {c['block_size']}, LAVO w={c['lavo_window']} r={c['lavo_bases']}, "
@@ -332,7 +373,7 @@ def render(res: dict, image: str) -> str:
 def plot(res: dict, path: Path) -> None:
     c = res["config"]
     titled = {title(name): rows for name, rows in res["points"].items()}
-    report.plot_loglog(titled, path, f"attention forward+backward, B={c['batch']}, H={c['heads']}, "
+    report.plot_loglog(titled, path, f"attention forward+backward, B={batch_text(c)}, H={c['heads']}, "
                        f"D={c['head_dim']}, {c['dtype']}")
 
 

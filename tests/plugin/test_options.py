@@ -37,6 +37,9 @@ def options(**kw):
     (dict(lln_stats="batch", decoder_attention_type="lln_diag"), "--lln-stats ema"),
     (dict(lln_diag_mix="sum"), "--lln-diag-mix: allowed: average, learnable_scale, learnable_ratio"),
     (dict(attention_stats_interval=-1), "--attention-stats-interval must be an integer >= 0"),
+    (dict(attention_compile=True, attention_impl="looped"), "--attention-compile runs --attention-impl auto, "
+     "parallel or fused, not looped"),
+    (dict(attention_compile_check="always"), "--attention-compile-check: allowed: first-step, off"),
 ])
 def test_bad_options_are_rejected_with_the_option_named(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -4,12 +4,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import resolve_impl
+from ..impls import implementation_for, resolve_impl
 from ..precision import autocast_off, function_output
-from . import looped, parallel
+from . import fused, looped, parallel
 from .inputs import LLNInputs, lln_inputs
 
-IMPLEMENTATIONS = {"looped": looped, "parallel": parallel}
+IMPLEMENTATIONS = {"looped": looped, "parallel": parallel, "fused": fused}
 
 
 class _LLN(torch.autograd.Function):
@@ -39,7 +39,8 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     """LLN attention in O(N D Dv) time (non-causal) or chunked O(N C D + (N/C) D Dv) (causal).
 
     ``impl``: ``looped`` (passes of working size), ``parallel`` (every row or chunk at once, a fixed number of ops;
-    its causal prefix over chunk states adds O((N/C)² D Dv)), ``auto`` (``impls.resolve_impl``).
+    its causal prefix over chunk states adds O((N/C)² D Dv)), ``fused`` (Triton kernels, half inputs; else
+    ``parallel``), ``auto`` (``impls.resolve_impl``).
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv); alpha, beta > 0, floats or tensors
     broadcastable to (B,H,1,1). Causal needs S == N. Half inputs compute in fp32.
@@ -47,6 +48,7 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     token) make q·k products underflow in fp32 when a query's and a key's largest features, above
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
-    impl = resolve_impl(impl, q.device)
+    impl = resolve_impl(impl, q.device, available=IMPLEMENTATIONS)
     x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
+    impl = implementation_for(IMPLEMENTATIONS, impl, x.q, x.v, chunk=x.chunk)  # fused: inputs its kernels take
     return _LLN.apply(impl, *x).to(q.dtype)

@@ -1,15 +1,15 @@
-"""The mutant list of ``python -m linattn_tools.mutation_check`` stays valid as the code changes, and the tool
+"""The mutant list of ``python -m dev.mutation_check`` stays valid as the code changes, and the tool
 kills a mutant end to end (in a copy of the repository: the working tree is left as it was)."""
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from linattn_tools.mutants import MUTANTS
-from linattn_tools.mutation_check import COVERED_DIRS, check_mutants, uncovered_files
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+from dev.mutants import MUTANTS
+from dev.mutation_check import COVERED_DIRS, check_mutants, uncovered_files
+
 CHEAP = "precision-autocast-on"  # its test file runs in seconds
 
 
@@ -41,7 +41,7 @@ def test_the_tool_kills_a_cheap_mutant_and_leaves_the_tree_alone(tmp_path):
     before = target.read_text()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "linattn_tools.mutation_check", "--only", CHEAP, "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dev.mutation_check", "--only", CHEAP, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -1,15 +1,15 @@
 """Measure the test suite's strength: plant plausible one-line bugs, one at a time, and see which survive.
 
-Every mutant of ``linattn_tools.mutants`` is applied to a *copy* of the repository (the three packages, tests,
+Every mutant of ``dev.mutants`` is applied to a *copy* of the repository (the three packages, tests,
 data, docs, scripts, configs and the root config files, in a temporary directory per job), its relevant test
 files run there with ``-x`` and PYTHONPATH set to the copy, and the file restored. The working tree is never
 written, so an interrupted run leaves nothing behind. A test failure or error, a crash at import and a
 timeout all count as killed; a mutant whose tests collect nothing is an error in the mutant list.
 
-    python -m linattn_tools.mutation_check                     # every mutant, default tier, one job
-    python -m linattn_tools.mutation_check --jobs 2 --json out.json
-    python -m linattn_tools.mutation_check --only lln-output-grad-sign --tier both
-    python -m linattn_tools.mutation_check --list
+    python -m dev.mutation_check                     # every mutant, default tier, one job
+    python -m dev.mutation_check --jobs 2 --json out.json
+    python -m dev.mutation_check --only lln-output-grad-sign --tier both
+    python -m dev.mutation_check --list
 
 ``--tier both`` runs the default tier's relevant tests and, for the survivors, the slow tier too (the
 mutant's ``slow`` files, else all of ``tests/``). The tool exits 0 whatever survives (it measures, it is not
@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from .mutants import MUTANTS, Mutant
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED_DIRS = ("linattn", "fairseq_linattn", "linattn_tools", "tests", "data", "docs", "scripts", "configs")
+COPIED_DIRS = ("linattn", "fairseq_linattn", "linattn_tools", "dev", "tests", "data", "docs", "scripts", "configs")
 COPIED_FILES = ("pytest.ini", "ruff.toml", "setup.py", "README.md")
 COVERED_DIRS = ("linattn/ops", "fairseq_linattn/modules")  # every file with logic here needs a mutant
 
@@ -208,8 +208,8 @@ def _select(only: Optional[Sequence[str]]) -> List[Mutant]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m linattn_tools.mutation_check",
-                                description="Plant each mutant of linattn_tools/mutants.py in a copy of the "
+    p = argparse.ArgumentParser(prog="python -m dev.mutation_check",
+                                description="Plant each mutant of dev/mutants.py in a copy of the "
                                             "repository, run its tests, report which survive.")
     p.add_argument("--tier", choices=("default", "slow", "both"), default="default",
                    help="default: the mutants' test files (default); slow: the slow tier; both: default, "

@@ -7,14 +7,13 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from linattn_tools.benchmark import flops, measure, report, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 MODULES = {"benchmark_attention": "linattn_tools.benchmark.attention",
@@ -237,7 +236,7 @@ def test_the_malloc_default_applies_only_on_the_cpu():
 
 
 def test_parallel_targets_compare_each_op_with_sdpa_of_its_own_causality_at_16k():
-    """The parallel form's run is judged by its own budgets (not the CPU form's speed-ups): peak memory over the
+    """The parallel implementation's run is judged by its own budgets (not the CPU speed-ups): peak memory over the
     SDPA series of the same causality at N = 16384, and op growth from 4096 to 16384."""
     from linattn_tools.benchmark.attention import targets
 
@@ -258,7 +257,7 @@ def test_parallel_targets_compare_each_op_with_sdpa_of_its_own_causality_at_16k(
     assert got["lln: ATen ops per call at N=16384 ≤ 1.25× those at N=4096"] == ("1.00×", True)
     assert got["lln causal: ATen ops per call at N=16384 ≤ 1.25× those at N=4096"] == ("1.33×", False)
     assert not any("softmax:" in t or "faster" in t for t in got)
-    res["config"].update(impl="looped", fit_range=[4096, 16384], sizes=[4096, 16384])  # the CPU form: speed-ups
+    res["config"].update(impl="looped", fit_range=[4096, 16384], sizes=[4096, 16384])  # looped: judged by speed-ups
     assert any("faster than SDPA" in t["target"] for t in targets(res))
 
 
@@ -282,3 +281,53 @@ def test_compile_benchmark_quick_times_both_modes_in_one_graph(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["method"] == "lln" and row["graphs"] == 1
     assert len(row["eager_s"]) == len(row["compiled_s"]) == 1 and row["compiled_first_s"] > 0
+
+
+# -- the fused kernels' benchmarks: training dtype, tokens per step, the implementation each op ran --
+
+def test_attention_benchmark_batch_follows_tokens_per_step():
+    from linattn_tools.benchmark.attention import batch_size, parse_args
+    args = parse_args(["--quick", "--tokens-per-step", "32768"])
+    assert [batch_size(n, args) for n in (2048, 4096, 16384, 32768, 65536)] == [16, 8, 2, 1, 1]
+    assert batch_size(4096, parse_args(["--quick", "--batch", "3"])) == 3
+
+
+def test_targets_table_compares_each_series_with_softmax_of_its_causality():
+    from linattn_tools.benchmark.targets import render
+
+    def row(method, causal, n, ms, mib, impl="fused"):
+        return {"method": method, "causal": causal, "n": n, "batch": 32768 // n, "dtype": "bfloat16", "impl": impl,
+                "median_s": ms / 1e3, "peak_bytes": mib * 2 ** 20}
+    rows = [row("softmax", False, 4096, 10, 100, "only"), row("softmax", True, 4096, 6, 100, "only"),
+            row("lln", False, 4096, 5, 120), row("lln", True, 4096, 4, 200),
+            row("lln_diag", False, 4096, 9, 140, "parallel")]
+    text = render([{"machine": {"cpu": "x", "gpu": "H100", "torch": "2.11"}, "rows": rows}])
+    assert "| lln | 0.50× ✓ (≤0.6) `fused` | 1.20× (✓ ≤1.5) |" in text
+    assert "| lln causal | 0.67× ✗ (≤0.6) `fused` | 2.00× (✗ ≤1.5) |" in text  # against causal softmax
+    assert "| lln_diag | 0.90× ✗ (≤0.8) `parallel` |" in text and "| skyformer | – | – |" in text
+    assert "Measured on: H100, torch 2.11" in text
+
+
+@pytest.mark.slow
+def test_attention_benchmark_fused_in_half_names_the_implementation_each_op_ran(tmp_path):
+    out = tmp_path / "a.json"
+    proc = subprocess.run([sys.executable, "-m", MODULES["benchmark_attention"], "--quick", "--json", str(out),
+                           "--methods", "softmax", "lln", "--impl", "fused", "--dtype", "float16",
+                           "--tokens-per-step", "256", "--no-memory", "--malloc", "default"],
+                          capture_output=True, text=True, timeout=600, env={**ENV, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {r["impl"] for r in res["points"]["lln causal"]} == {"fused"}
+    assert {r["impl"] for r in res["points"]["softmax"]} == {"only"}
+    assert [r["batch"] for r in res["points"]["lln"]] == [4, 2]  # 256 // 64, 256 // 128
+    assert "lln causal: implementation fused" in proc.stdout and "TFLOP/s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_bench_script_quick_writes_every_point_and_the_targets_table(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["float32_32.json", "float32_64.json"]
+    table = (tmp_path / "targets.md").read_text()
+    assert "| lln causal |" in table and "| skyformer |" in table and "SDPA" in proc.stdout

@@ -1,0 +1,3 @@
+"""Tools for developing this repository, not shipped with the package (``setup.py`` installs ``linattn``,
+``fairseq_linattn`` and ``linattn_tools`` only): the mutation check of the tests' strength and its list of mutants.
+Run from the repository's root: ``python -m dev.mutation_check --help``."""

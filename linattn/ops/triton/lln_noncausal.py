@@ -1,0 +1,102 @@
+"""Non-causal LLN (LLN eq. 8-9) in two kernels, as the custom op ``linattn::lln_noncausal``.
+
+``_state``: per head, [S, z] = sum_j phi_k(k_j) [v_j, 1], phi_k = exp(beta k_j - m) <= 1 (m: the per-feature key
+maximum), S on tensor cores from half phi_k and v, fp32 accumulation. ``_readout``: per block of queries,
+phi_q = exp(alpha q + m - max_d(alpha q + m)) <= 1 and out = phi_q S / phi_q z, S read in fp32 ("ieee").
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import HALF, TINY, block, emulate_half_dot, half_dot
+
+ROWS = 64  # keys per step of ``_state``, queries per program of ``_readout``
+
+
+@triton.jit
+def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, H, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr,
+           BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One head: s (D, DV+1) = [S, z] over its S keys (LLN eq. 9), padded keys excluded."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BD)
+    e = tl.arange(0, BDV)
+    r = tl.arange(0, BLOCK)
+    beta = tl.load(beta_ptr + pid)
+    m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
+    s = tl.zeros((BD, BDV), tl.float32)
+    z = tl.zeros((BD,), tl.float32)
+    start = 0
+    while start < S:  # not ``for ... in range(S)``: see ``common.py``
+        rows = start + r
+        ok = rows < S
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
+        kk = tl.load(k_ptr + pid * S * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+                     other=0.0).to(tl.float32)
+        fk = tl.where(ok[:, None] & (d[None, :] < D), tl.exp(kk * beta - m[None, :]), 0.0)
+        vv = tl.load(v_ptr + pid * S * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & (e[None, :] < DV),
+                     other=0.0)
+        s += half_dot(tl.trans(fk), vv, HALF_TY, EMULATE)
+        z += tl.sum(fk, 0)
+        start += BLOCK
+    base = s_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
+    tl.store(base + e[None, :], s, mask=(d[:, None] < D) & (e[None, :] < DV))
+    tl.store(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, z, mask=d < D)
+
+
+@triton.jit
+def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, N, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr,
+             BDV: tl.constexpr):
+    """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator)."""
+    pid = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, BD)
+    e = tl.arange(0, BDV)
+    alpha = tl.load(alpha_ptr + pid)
+    m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
+    ok = rows < N
+    qq = tl.load(q_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+                 other=0.0).to(tl.float32)
+    a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))  # the query absorbs the keys' shift
+    fq = tl.exp(a - tl.max(a, 1)[:, None])
+    base = s_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
+    s = tl.load(base + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0)
+    z = tl.load(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, mask=d < D, other=0.0)
+    den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
+    o = tl.dot(fq, s, input_precision="ieee") / den[:, None]
+    tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=ok[:, None] & (e[None, :] < DV))
+    tl.store(den_ptr + pid * N + rows, den, mask=ok)
+
+
+@torch.library.custom_op("linattn::lln_noncausal", mutates_args=())
+def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, m: Tensor, mask: Optional[Tensor],
+                  averaged: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) half; alpha, beta (B,H) and the key maximum m (B,H,1,D) fp32; mask
+    (B,S) or None -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``), s = [S, z] (B,H,D,Dv+1), den (B,H,N,1)."""
+    out, s, den = _empty(q, v, averaged)
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    _state[(b * h,)](k, v, beta, m.contiguous(), mask_u8, s, h, k.shape[2], d, dv, BLOCK=ROWS, BD=block(d),
+                     BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                     HAS_MASK=mask is not None)
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m.contiguous(), s, out, den, n, d, dv, BLOCK=ROWS,
+                                           BD=block(d), BDV=block(dv))
+    return out, s, den
+
+
+@lln_noncausal.register_fake
+def _(q, k, v, alpha, beta, m, mask, averaged):
+    return _empty(q, v, averaged)
+
+
+def _empty(q: Tensor, v: Tensor, averaged: bool):
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    return (q.new_empty((b, h, n, dv), dtype=torch.float32 if averaged else q.dtype),
+            q.new_empty((b, h, d, dv + 1), dtype=torch.float32), q.new_empty((b, h, n, 1), dtype=torch.float32))

@@ -1,0 +1,131 @@
+"""The fused kernels' targets: one attention module's training step against the softmax module of the same
+causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.3, "the fused implementation").
+
+    python -m linattn_tools.benchmark.targets --dtype bfloat16 --n 4096 --json runs/gpu_bench/bfloat16_4096.json
+    python -m linattn_tools.benchmark.targets --render runs/gpu_bench/*.json     # the targets table
+    bash scripts/gpu_bench.sh                                                    # every point, then the table
+
+One step: ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``, weights and inputs in
+``--dtype``, B = ``--tokens-per-step`` // N, forward + backward; causal steps unpadded, non-causal ones with the last
+eighth of the last sequence padded. Time: median of ``--repeats`` steps (CUDA events on a GPU) after warm-up;
+peak memory above the inputs. Each point records the implementation the module's op ran.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from linattn.ops.impls import IMPLS, implementation_for
+from linattn_tools.benchmark import flops, measure
+from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
+
+SIZES = (2048, 4096, 16384, 32768)
+# the time over the softmax module's at each of SIZES (issue table), and the peak memory limit at every N
+TARGETS = {("lln", False): (1.0, 0.6, 0.2, 0.12), ("lln", True): (1.0, 0.6, 0.2, 0.12),
+           ("lln_diag", False): (1.3, 0.8, 0.3, 0.15), ("lavo", True): (1.3, 0.8, 0.3, 0.15),
+           ("skyformer", False): (1.5, 1.0, 0.3, 0.15)}
+MEMORY_LIMIT = 1.5
+BASELINE = "softmax"  # the module every series is compared with (same causality)
+FLOP_OPTS = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "landmarks": 128}
+
+
+def time_step(method: str, causal: bool, n: int, args) -> dict:
+    """One series at one N: median step time, peak memory and the implementation its op ran."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    batch = max(1, args.tokens_per_step // n)
+    module = build(method, causal, args.impl, dtype=dtype, device=device)
+    x, mask = module_step_inputs(n, dtype=dtype, device=device, batch=batch)
+    mask = None if causal else mask
+    run = lambda: step(module, x, mask)  # noqa: E731
+    for _ in range(args.warmup):
+        run()
+    times = [measure.elapsed_seconds(run, device) for _ in range(args.repeats)]
+    head = x.new_empty((1, 1, 1, module.head_dim))
+    return {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype,
+            "impl": implementation_for(method, args.impl, head), "median_s": statistics.median(times),
+            "peak_bytes": measure.peak_memory_bytes(run, device)}
+
+
+def measure_point(args) -> dict:
+    """Every series of ``TARGETS`` and the softmax module of each causality at one N."""
+    rows = []
+    for causal in (False, True):
+        for method in [BASELINE] + [m for m, c in TARGETS if c == causal]:
+            row = time_step(method, causal, args.n, args)
+            rows.append(row)
+            note = ""
+            if method == BASELINE:
+                work = flops.training_flops(method, row["n"], row["batch"], 12, 64, causal=causal, opts=FLOP_OPTS)
+                note = f", SDPA {work / row['median_s'] / 1e12:.3f} TFLOP/s"
+            print(f"{args.dtype} N={args.n} B={row['batch']} {method}{' causal' if causal else ''}: "
+                  f"{row['median_s'] * 1e3:.2f} ms, peak {row['peak_bytes'] / 2**20:.1f} MiB, "
+                  f"implementation {row['impl']}{note}", flush=True)
+    return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows}
+
+
+def render(results: List[dict]) -> str:
+    """Markdown: per dtype and series, time / the softmax module's (target in brackets, the implementation that
+    ran) and the worst peak memory ratio, for every N measured."""
+    rows = [r for res in results for r in res["rows"]]
+    lines = []
+    for dtype in sorted({r["dtype"] for r in rows}):
+        sizes = sorted({r["n"] for r in rows if r["dtype"] == dtype})
+        lines += [f"**{dtype}**", "", "| series | " + " | ".join(f"N={n}" for n in sizes) + " | peak / softmax |",
+                  "|---|" + "---|" * (len(sizes) + 1)]
+        for (method, causal), goals in TARGETS.items():
+            cells, peaks = [], []
+            for n in sizes:
+                mine = _find(rows, dtype, n, method, causal)
+                base = _find(rows, dtype, n, BASELINE, causal)
+                if not (mine and base):
+                    cells.append("–")
+                    continue
+                ratio = mine["median_s"] / base["median_s"]
+                goal = dict(zip(SIZES, goals)).get(n)
+                met = "" if goal is None else (" ✓" if ratio <= goal else " ✗") + f" (≤{goal:g})"
+                cells.append(f"{ratio:.2f}×{met} `{mine['impl']}`")
+                if base["peak_bytes"]:
+                    peaks.append(mine["peak_bytes"] / base["peak_bytes"])
+            worst = f"{max(peaks):.2f}× ({'✓' if max(peaks) <= MEMORY_LIMIT else '✗'} ≤{MEMORY_LIMIT:g})" if peaks \
+                else "–"
+            lines.append(f"| {method}{' causal' if causal else ''} | " + " | ".join(cells) + f" | {worst} |")
+        lines.append("")
+    machines = sorted({f"{res['machine'].get('gpu', res['machine']['cpu'])}, torch {res['machine']['torch']}"
+                       for res in results})
+    return "\n".join(lines + ["Measured on: " + "; ".join(machines)])
+
+
+def _find(rows, dtype, n, method, causal) -> Optional[dict]:
+    return next((r for r in rows if (r["dtype"], r["n"], r["method"], r["causal"]) == (dtype, n, method, causal)),
+                None)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4096, help="sequence length of this point")
+    p.add_argument("--tokens-per-step", type=int, default=32768, help="B = this // N (at least 1)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    p.add_argument("--impl", choices=IMPLS, default="fused", help="the linear modules' attention_impl")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None, help="write this point's results here")
+    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: print the targets table of these points")
+    args = p.parse_args(argv)
+    if args.render:
+        print(render([json.loads(path.read_text()) for path in args.render]))
+        return 0
+    res = measure_point(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

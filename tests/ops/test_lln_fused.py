@@ -1,0 +1,179 @@
+"""LLN's fused implementation (``linattn/ops/lln/fused.py``, kernels in ``linattn/ops/triton/``) run by Triton's
+interpreter on CPU tensors: forward and input gradients against the float64 reference (LLN eq. 8-9) within
+``linattn/tolerances.py``, padding left and right, odd lengths, both causalities, fp16 and bf16, alpha != beta; the
+causal leak test (exact); the meta device; one custom op each way per call, for the op counter and
+``torch.compile``."""
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels then run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import padding_mask, rel_err  # noqa: E402
+
+from linattn import ops  # noqa: E402
+from linattn.ops.impls import implementation_for  # noqa: E402
+from linattn.profiling.dispatch import count_dispatch  # noqa: E402
+from linattn.tolerances import tolerance  # noqa: E402
+
+pytest.importorskip("triton")
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def inputs(gen, dtype, n, b=2, h=2, d=20, dv=12, scale=1.0):
+    """q, k (B,H,N,D), v (B,H,N,Dv) in ``dtype``, leaves that require grad; D and Dv not powers of two."""
+    make = [torch.randn(b, h, n, w, generator=gen) * s for w, s in ((d, scale), (d, scale), (dv, 1.0))]
+    return [t.to(dtype).requires_grad_() for t in make]
+
+
+ALPHA = torch.tensor([1.3, 0.7]).view(1, 2, 1, 1)  # per head, and != beta
+BETA = 0.9
+
+
+def run(q, k, v, impl, *, causal, mask=None, chunk=8):
+    return ops.lln_attention(q, k, v, ALPHA, BETA, causal=causal, key_padding_mask=mask, chunk_size=chunk, impl=impl)
+
+
+def reference_with_grads(q, k, v, grad, *, causal, mask=None):
+    """The float64 reference output and its gradients for q, k, v under dL/d(out) = grad."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ops.lln_attention_reference(*leaves, ALPHA, BETA, causal=causal, key_padding_mask=mask)
+    return ref, torch.autograd.grad(ref, leaves, grad.double())
+
+
+def check_against_reference(gen, q, k, v, dtype, *, causal, mask, chunk=8):
+    out = run(q, k, v, "fused", causal=causal, mask=mask, chunk=chunk)
+    grad = torch.randn(out.shape, generator=gen)
+    ref, want = reference_with_grads(q, k, v, grad, causal=causal, mask=mask)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < tolerance("lln", dtype)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)), want):
+        assert g.dtype == q.dtype
+        assert rel_err(g, w) < tolerance("lln", dtype, gradient=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, side", [(3, "right"), (7, "left"), (19, "right"), (19, "left")])
+def test_fused_matches_the_float64_reference_with_gradients(gen, dtype, causal, n, side):
+    q, k, v = inputs(gen, DTYPES[dtype], n)
+    mask = padding_mask(2, n, side, gen)
+    assert implementation_for("lln", "fused", q, v) == "fused"
+    check_against_reference(gen, q, k, v, dtype, causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_with_whole_chunks_of_padding(gen, causal):
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = torch.zeros(2, 19, dtype=torch.bool)
+    mask[1, :17] = True  # the first two chunks of the second sequence hold no key
+    check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_fused_outputs_depend_on_no_future_token_exactly(gen, dtype):
+    q, k, v = (t.detach() for t in inputs(gen, DTYPES[dtype], 21, scale=2.0))
+    out = run(q, k, v, "fused", causal=True)
+    for t in (4, 8, 13):  # the first row of a chunk, the last of one, a middle one
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        for x in (q2, k2, v2):
+            x[:, :, t + 1:] *= 10
+        changed = run(q2, k2, v2, "fused", causal=True)
+        assert torch.equal(changed[:, :, :t + 1], out[:, :, :t + 1])
+
+
+def test_fp32_asked_for_fused_runs_parallel():
+    q = torch.randn(1, 2, 9, 8)
+    assert implementation_for("lln", "fused", q) == "parallel"
+    assert torch.equal(run(q, q, q, "fused", causal=True), run(q, q, q, "parallel", causal=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_runs_on_the_meta_device_forward_and_backward(causal):
+    q, k, v = (torch.empty(2, 2, 37, d, dtype=torch.float16, device="meta", requires_grad=True) for d in (20, 20, 12))
+    assert implementation_for("lln", "fused", q, v) == "fused"
+    out = run(q, k, v, "fused", causal=causal, mask=torch.zeros(2, 37, dtype=torch.bool, device="meta"))
+    assert out.shape == (2, 2, 37, 12) and out.dtype == torch.float16
+    out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_custom_op_each_way_and_a_fixed_op_count(gen, causal):
+    name = "lln_causal" if causal else "lln_noncausal"
+    counts = []
+    for n in (16, 64):
+        q, k, v = inputs(gen, torch.float16, n, b=1)
+        with count_dispatch() as c:
+            run(q, k, v, "fused", causal=causal).sum().backward()
+        assert c.ops[name] == 1 and c.ops[name + "_backward"] == 1
+        counts.append(c.launched)
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_fullgraph_sees_one_custom_op(gen, causal):
+    q, k, v = (t.detach() for t in inputs(gen, torch.bfloat16, 19, b=1))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: run(q, k, v, "fused", causal=causal), fullgraph=True, backend=backend)
+    assert torch.equal(compiled(q, k, v), run(q, k, v, "fused", causal=causal))
+    target = getattr(torch.ops.linattn, "lln_causal" if causal else "lln_noncausal").default
+    assert sum(node.target is target for gm in graphs for node in gm.graph.nodes) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype, causal):
+    q, k, v = inputs(gen, DTYPES[dtype], 200, d=64, dv=64, scale=1.5)
+    check_against_reference(gen, q, k, v, dtype, causal=causal, mask=padding_mask(2, 200, "right", gen), chunk=64)
+
+
+COMPILE_FOR_H100 = """
+import inspect
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linattn.ops.triton import lln_causal, lln_causal_backward, lln_noncausal, lln_noncausal_backward
+
+HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
+for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 only adds minutes of compiling
+    half, sizes = HALF[name], dict(BD=d, BDV=d)
+    kernels = [(lln_causal._chunks, dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
+               (lln_causal_backward._chunks_backward, dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
+               (lln_noncausal._state, dict(BLOCK=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
+               (lln_noncausal._readout, dict(BLOCK=64)),
+               (lln_noncausal_backward._state_grad, dict(BLOCK=64)),
+               (lln_noncausal_backward._rows_grad, dict(BLOCK=64, HAS_MASK=True))]
+    for kernel, consts in kernels:
+        consts = {**sizes, **consts}
+        types = {p: "constexpr" if p in consts else ("*" + name if p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr",
+                 "grad_ptr") else "*u8" if p == "mask_ptr" else "*fp32" if p.endswith("_ptr") else
+                 "fp32" if p == "scale" else "i32") for p in inspect.signature(kernel.fn).parameters}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, d, compiled.metadata.shared)
+        print(name, d, kernel.fn.__name__, compiled.metadata.shared, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
+    """Without a GPU: each kernel through Triton's whole pipeline to an sm_90 binary (its bundled ptxas), fp16 at
+    D = Dv = 64 and 128, bf16 at 64, within an H100's shared memory per block (the interpreter checks no GPU rule);
+    minutes on 2 cores without Triton's cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
+                         timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(run.stdout.splitlines()) == 18
