@@ -41,7 +41,7 @@ DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "attention.json"
 # (same N, same causality)
 MEMORY_TARGETS = {"lln": 1.25, "lln causal": 1.25, "lln_diag": 1.25, "lln_diag causal": 1.25, "lavo": 1.25,
                   "lavo causal": 1.25, "skyformer": 1.5}
-PARALLEL_MEMORY_LIMIT = 3.0  # the parallel form's peak at N = 16384 over SDPA's (docs/design.md §1.3)
+PARALLEL_MEMORY_LIMIT = 3.0  # the parallel implementation's peak at N = 16384 over SDPA's (docs/design.md §1.3)
 DEFAULT_PLOT = ROOT / "docs" / "img" / "benchmark_attention.png"
 QUICK = dict(sizes=[64, 128], heads=2, head_dim=16, repeats=1, min_repeats=1, warmup=1, point_seconds=1.0,
              chunk_size=16, block_size=16, lavo_window=16, lavo_bases=8, landmarks=16)
@@ -240,7 +240,7 @@ def _target_list():
 
 
 def targets(res: dict) -> list:
-    """The targets of the run's execution form (``parallel_targets`` or the CPU form's below)."""
+    """The targets of the run's implementation (``parallel_targets`` or the CPU implementation's below)."""
     c = res["config"]
     if resolve_impl(c.get("impl", "looped"), torch.device(c["device"])) == "parallel":
         return parallel_targets(res)
@@ -248,7 +248,7 @@ def targets(res: dict) -> list:
 
 
 def parallel_targets(res: dict) -> list:
-    """The parallel form's budgets (docs/design.md §1.3): peak memory at N = 16384 at most
+    """The parallel implementation's budgets (docs/design.md §1.3): peak memory at N = 16384 at most
     ``PARALLEL_MEMORY_LIMIT``× SDPA's (same causality), and ATen ops per call that do not grow from N = 4096 to
     16384 (≤ 1.25×), for every op beside SDPA (n/a when a point is missing)."""
     out, add = _target_list()
@@ -270,7 +270,7 @@ def parallel_targets(res: dict) -> list:
 
 
 def looped_targets(res: dict) -> list:
-    """The CPU form's targets (speed-ups against SDPA, ``MEMORY_TARGETS``, the time cost of glibc's default
+    """The CPU implementation's targets (speed-ups against SDPA, ``MEMORY_TARGETS``, the time cost of glibc's default
     allocator) on this machine, from the measured medians (n/a when a point is missing)."""
     out, add = _target_list()
 
@@ -357,7 +357,7 @@ def render(res: dict, image: str) -> str:
         f"w.r.t. q, k, v; median of {c['min_repeats']}–{c['repeats']} calls after {c['warmup']} warm-up; "
         f"budget {c['time_budget']:g} s per call and {c['memory_budget_gib']:g} GiB. Options: causal LLN "
         f"chunk {c['chunk_size']}, blocks {c['block_size']}, LAVO w={c['lavo_window']} r={c['lavo_bases']}, "
-        f"Skyformer {c['landmarks']} landmarks; execution form `--impl {c.get('impl', 'looped')}`. "
+        f"Skyformer {c['landmarks']} landmarks; implementation `--impl {c.get('impl', 'looped')}`. "
         "\"skipped\": the last two points predicted more than the budget.",
         f"![attention benchmark: time and memory against N]({image})" if image else "",
         "**Targets**\n\n" + report.targets_table(targets(res)),
