@@ -25,7 +25,9 @@ Groups:
                     re-reads that run instead of measuring)
   quickstart        LLN Table 1, LAVO Table 2 analogues: runs scripts/quickstart.sh into
                     runs/reproduction/quickstart (--reuse-quickstart reads an earlier run there)
-  skyformer_error   Skyformer Fig. 1: Nyström error against the number of landmarks
+  skyformer_error   our Skyformer op on synthetic q, k, v: Nyström error against the number of landmarks
+  skyformer_fig1    Skyformer Fig. 1 as the paper ran it: softmax attention's output approximated from encoders'
+                    own W_Q, W_K, W_V on real text (trains two small softmax RoBERTas first if they are missing)
   decoding          LAVO Table 10: time to generate 2K, 4K, 8K tokens one by one
 --render   rewrite docs/reproduction.md from the committed JSON alone (seconds; --check: only compare)
 --quick    tiny sizes, to check the code runs (write elsewhere: --out DIR --ledger FILE)

@@ -4,7 +4,8 @@ Given an attention module of ``fairseq_linattn.modules`` and its (T, B, C) self-
 are projected with the module's own ``q_proj`` / ``k_proj`` and the module's ``attention_rows`` gives
 the matrix P with out = P V where exact (V the ``v_proj`` output, before ``out_proj``): O(R N) memory
 for R query rows. What P is per method is the module's to say (its ``attention_rows`` docstring and
-``rows_note``); the rows themselves come from the ops (``ops.*_weights``, docs/design.md §8).
+``rows_note`` in ``linattn_tools.methods_extra``); the rows themselves come from the ops (``ops.*_weights``,
+docs/design.md §8).
 """
 from typing import Optional, Tuple
 

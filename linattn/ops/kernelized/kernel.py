@@ -10,7 +10,7 @@ from ..masking import Rows, select_rows
 from ..precision import compute_dtype
 
 _NON_CAUSAL_HELP = ("causal=True is not supported: decoder self-attention needs a causal method "
-                    "(`python -m linattn.methods list --role decoder`)")
+                    "(`python -m linattn_tools.methods_cli list --role decoder`)")
 
 
 class KernelizedInputs(NamedTuple):
