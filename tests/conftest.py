@@ -1,9 +1,13 @@
 """Fixtures and pytest options of the tests (what they share besides: helpers.py)."""
 import os
 
-import pytest
-import torch
-from helpers import FILL_ENV
+# Triton's interpreter runs the fused kernels on CPU tensors (tests/ops/test_lln_fused.py). Triton reads this once,
+# when it is first imported, which another test's torch.compile may do first: set here, before any test module.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import FILL_ENV  # noqa: E402
 
 
 @pytest.fixture

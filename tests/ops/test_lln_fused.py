@@ -7,16 +7,16 @@ import os
 import subprocess
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels then run on CPU tensors
+import pytest
+import torch
+from helpers import padding_mask, rel_err
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from helpers import padding_mask, rel_err  # noqa: E402
+from linattn import ops
+from linattn.ops.impls import implementation_for
+from linattn.profiling.dispatch import count_dispatch
+from linattn.tolerances import tolerance
 
-from linattn import ops  # noqa: E402
-from linattn.ops.impls import implementation_for  # noqa: E402
-from linattn.profiling.dispatch import count_dispatch  # noqa: E402
-from linattn.tolerances import tolerance  # noqa: E402
+assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before anything imports Triton"
 
 pytest.importorskip("triton")
 

@@ -98,7 +98,7 @@ def test_two_gloo_ranks_fold_the_union_batch_in_one_all_reduce(tmp_path, gen):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "tests"), str(ROOT),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(__file__), str(ROOT / "tests"), str(ROOT),
                                           os.environ.get("PYTHONPATH", "")])}
     port = str(cpu_ddp.free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path / "shards.pt")],
