@@ -14,6 +14,12 @@ import torch
 from . import measure, report
 
 
+def write_json(path: Path, res: dict) -> None:
+    """A benchmark's result as JSON at ``path``, its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def add_output_arguments(p: argparse.ArgumentParser, section: str, default_json: Path, default_plot: Path,
                          malloc_default: str = "keep") -> None:
     """--malloc, --json, --plot, --docs, --from-json, --quick (the last given meaning by ``finish_args``)."""
@@ -65,8 +71,7 @@ def run(args: argparse.Namespace, argv: Optional[list], section: str, measure_al
             # a script's own process (the child re-runs sys.argv); isolated series bring their own keep times
             merge_keep_times(res, _measure_keep(sys.argv[1:]))
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(res, indent=1))
+            write_json(args.json, res)
             print(f"wrote {args.json}")
     if args.plot:
         plot(res, args.plot)

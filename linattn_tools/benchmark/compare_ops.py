@@ -16,7 +16,6 @@ Prints a table, writes JSON, and with --docs rewrites a section of docs/benchmar
 import argparse
 import importlib.util
 import io
-import json
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 from linattn import ops
 from linattn_tools.benchmark import cli, measure, report
 from linattn_tools.methods_extra import METHODS_EXTRA
+
+from .cli import write_json
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
 TOLERANCE = 0.05  # the time target of the allocation-light ops: no op slower than before with --malloc keep (±5 %)
@@ -186,8 +187,7 @@ def main(argv=None) -> None:
             before = load_ops(args.baseline, Path(tmp))
             res["rows"] = compare(before, ops, args.sizes, args.cases, args.repeats)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
+        write_json(args.json, res)
         print(f"wrote {args.json}")
     text = render(res)
     print(text)

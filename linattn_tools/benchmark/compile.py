@@ -28,6 +28,8 @@ from linattn_tools.benchmark import fairseq_models, measure, report
 from linattn_tools.benchmark.model import train_case
 from linattn_tools.methods_extra import METHODS_EXTRA
 
+from .cli import write_json
+
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "compile.json"
 MODES = {"eager": [], "compiled": ["--attention-compile"]}
 QUICK = dict(sizes=[32], arch="linattn_roberta_tiny", vocab=100, repeats=1, methods=["lln"],
@@ -125,8 +127,7 @@ def main(argv=None):
     args = parse_args(argv)
     res = json.loads(args.from_json.read_text()) if args.from_json else measure_all(args)
     if args.json and not args.from_json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     text = render(res)
     print(text)
     if args.docs:

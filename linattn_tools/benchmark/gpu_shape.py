@@ -21,6 +21,8 @@ from linattn.profiling import count_dispatch, saved_bytes
 from linattn_tools.benchmark.report import write_section
 from linattn_tools.methods_extra import METHODS_EXTRA
 
+from .cli import write_json
+
 ROLES = {"encoder": False, "decoder": True}
 
 
@@ -129,8 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{'method':<24} {'role':<8} " + " ".join(f"{n:>6}" for n in args.lengths) + "  syncs  bf16 saved")
     res = measure(args.impl, args.lengths, args.saved_n, args.methods)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     return 0
 
 

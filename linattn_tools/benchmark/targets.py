@@ -23,6 +23,8 @@ from linattn.ops.impls import IMPLS, implementation_for
 from linattn_tools.benchmark import flops, measure
 from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
 
+from .cli import write_json
+
 SIZES = (2048, 4096, 16384, 32768)
 # the time over the softmax module's at each of SIZES (issue table), and the peak memory limit at every N
 TARGETS = {("lln", False): (1.0, 0.6, 0.2, 0.12), ("lln", True): (1.0, 0.6, 0.2, 0.12),
@@ -122,8 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     res = measure_point(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     return 0
 
 
