@@ -276,8 +276,9 @@ MUTANTS = [
     M("matcher-empty-fold", MOD + "moment_matcher.py", "finite = (batch < math.inf).all(0) & (count > 0)",
       "finite = (batch < math.inf).all(0)", "an empty batch (no token) is folded into the EMA",
       MM_T + ("tests/tools/test_cpu_ddp.py",), ("tests/tools/test_cpu_ddp.py",)),
-    M("matcher-padding-counted", MOD + "moment_matcher.py", "xw = x if keep is None else x * keep", "xw = x",
-      "padded tokens enter the sums of the statistics", MM_T + ("tests/plugin/test_module_padding.py",)),
+    M("matcher-padding-counted", MOD + "moment_matcher.py", "rows = torch.where(keep, rows, 0.0)", "rows = rows",
+      "padded tokens enter the sums of the statistics",
+      MM_T + ("tests/plugin/test_moment_statistics.py", "tests/plugin/test_module_padding.py")),
     M("matcher-tau", MOD + "moment_matcher.py", "var_lln.clamp_min(1e-12).rsqrt()", "var_lln.clamp_min(1e-12).sqrt()",
       "tau_lln = sqrt(var) instead of 1/sqrt(var) (eq. 11)", MM_T + ("tests/plugin/test_training_stats.py",)),
     # -- models, options, logging, fairseq fixes --

@@ -170,20 +170,29 @@ class MomentMatcher(nn.Module):
     def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False
                  ) -> Tensor:
         """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum k, sum q², sum k², entries, over non-padded tokens
-        (q's and k's stacked: fewer launches)."""
-        dims = (2, 3) if self.per_head else (1, 2, 3)
-        dims, shape = (dims, (q.shape[0], -1)) if per_sequence else ((0,) + dims, (-1,))
-        keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :, None].to(_F64)
-        sums, squares = [], []
-        for x in (q, k):
-            x = x.detach().to(_F64)
-            xw = x if keep is None else x * keep
-            sums.append(xw.sum(dims).reshape(shape))
-            squares.append((xw * x).sum(dims).reshape(shape))
-        tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2, 3))
+        (q's and k's stacked: fewer launches).
+
+        Each token row's D entries are reduced first, in float32 straight from the input dtype (float64 for float64
+        q, k), with no full-size upcast copy of q or k; the (B, H, N) row sums are then masked and summed over the
+        tokens in float64 (sums over many tokens). A padded row adds 0 whatever it holds, inf or NaN included.
+        """
+        # row sums and 2-norms: the reductions upcast inside their kernel (on CUDA: read fp16/bf16, add in float32)
+        q, k = q.detach(), k.detach()
+        dtypes = [_F64 if x.dtype == _F64 else torch.float32 for x in (q, k)]
+        rows = [x.sum(-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
+        rows += [torch.linalg.vector_norm(x, 2, dim=-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
+        rows = torch.stack(rows).to(_F64)  # (4, B, H, N)
+        rows[2:].square_()  # sums of squares
+        keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :]  # (B, 1, N)
+        if keep is not None:
+            rows = torch.where(keep, rows, 0.0)
+        dims = (3,) if self.per_head else (2, 3)
+        dims, shape = (dims, (4, q.shape[0], -1)) if per_sequence else ((1,) + dims, (4, -1))
+        sums = rows.sum(dims).reshape(shape)
+        tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2), dtype=_F64)
         tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
         count = (tokens * (q.shape[3] * (1 if self.per_head else q.shape[1]))).expand_as(sums[0])
-        return torch.stack([*sums, *squares, count])
+        return torch.cat([sums, count[None]])
 
     @staticmethod
     def _variances(moments: Tensor) -> Tuple[Tensor, Tensor]:
