@@ -42,8 +42,9 @@ setup(
         "matplotlib",
         "pyyaml",  # configs/*.yaml (linattn_tools.recipes.config)
     ],
-    # Triton: its interpreter runs the fused kernels' tests on the CPU (verified with 3.6.0, which torch 2.11's CUDA
-    # wheels ship, and 3.9.0); a lower bound only, so that a CUDA torch keeps the Triton it requires
+    # Triton: its interpreter runs the fused kernels' tests on the CPU (3.9.0; they skip below 3.9, whose interpreter
+    # cannot take a runtime loop bound); compiled, the kernels ran on an H100 with 3.6.0, which torch 2.11's CUDA wheels
+    # ship. A lower bound only, so that a CUDA torch keeps the Triton it requires
     extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6",
                              'triton>=3.6; platform_system == "Linux"']},
 )

@@ -18,7 +18,7 @@ from linattn.tolerances import tolerance
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before anything imports Triton"
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (common.py)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,6 +70,18 @@ def test_fused_with_whole_chunks_of_padding(gen, causal):
     q, k, v = inputs(gen, torch.float16, 19)
     mask = torch.zeros(2, 19, dtype=torch.bool)
     mask[1, :17] = True  # the first two chunks of the second sequence hold no key
+    check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_fused_shifts_ignore_what_padded_keys_hold(gen, causal, side):
+    """The key maxima that shift the features leave padded keys out: padded keys near fp16's largest value (whose
+    beta k would make every real key's feature underflow to 0) change no output or gradient."""
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = padding_mask(2, 19, side, gen)
+    with torch.no_grad():
+        k.masked_fill_(mask[:, None, :, None], 6.0e4)
     check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
 
 
@@ -144,24 +156,33 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from linattn.ops.triton import lln_causal, lln_causal_backward, lln_noncausal, lln_noncausal_backward
+from linattn.ops.triton import lln_causal, lln_causal_backward, lln_key_max, lln_noncausal, lln_noncausal_backward
+from linattn.ops.triton.common import launch
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 only adds minutes of compiling
     half, sizes = HALF[name], dict(BD=d, BDV=d)
-    kernels = [(lln_causal._chunks, dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
-               (lln_causal_backward._chunks_backward, dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
-               (lln_noncausal._state, dict(BLOCK=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
-               (lln_noncausal._readout, dict(BLOCK=64)),
-               (lln_noncausal_backward._state_grad, dict(BLOCK=64)),
-               (lln_noncausal_backward._rows_grad, dict(BLOCK=64, HAS_MASK=True))]
-    for kernel, consts in kernels:
-        consts = {**sizes, **consts}
-        types = {p: "constexpr" if p in consts else ("*" + name if p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr",
-                 "grad_ptr") else "*u8" if p == "mask_ptr" else "*fp32" if p.endswith("_ptr") else
-                 "fp32" if p == "scale" else "i32") for p in inspect.signature(kernel.fn).parameters}
+    kernels = [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
+               (lln_causal._states, "lln_causal_states", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
+               (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
+               (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
+               (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, HALF_TY=half, EMULATE=False,
+                                                                     HAS_MASK=True)),
+               (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=64, HALF_TY=half, EMULATE=False,
+                                                                  HAS_MASK=True)),
+               (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=64)),
+               (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=64)),
+               (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True))]
+    for kernel, key, consts in kernels:
+        settings = launch(key, d)
+        params = inspect.signature(kernel.fn).parameters
+        consts = {p: v for p, v in {**sizes, **consts, **settings}.items() if p in params}
+        half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+        types = {p: "constexpr" if p in consts else ("*" + name if p in half_ptrs else "*u8" if p == "mask_ptr" else
+                 "*fp32" if p.endswith("_ptr") else "fp32" if p == "scale" else "i32") for p in params}
+        options = {k: settings[k] for k in ("num_warps", "num_stages")}
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32))
+                                  target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, d, compiled.metadata.shared)
         print(name, d, kernel.fn.__name__, compiled.metadata.shared, flush=True)
 """
@@ -176,4 +197,20 @@ def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 18
+    assert len(run.stdout.splitlines()) == 27
+
+
+@pytest.mark.parametrize("split_rows", [16, 32])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_noncausal_fused_over_several_splits(gen, monkeypatch, side, split_rows):
+    """The non-causal kernels' reductions split over the rows (``_state``'s keys, ``_state_grad``'s queries), each
+    split's partial [S, z] summed after: at N = 50, 4 splits of one step or 2 of two steps (ROWS = 16), the last one
+    partial; the second sequence padded on the left over 37 keys (whole splits of padding) or on the right over 13."""
+    from linattn.ops.triton import lln_noncausal
+    monkeypatch.setattr(lln_noncausal, "ROWS", 16)  # both read at call time, by the forward and the backward
+    monkeypatch.setattr(lln_noncausal, "SPLIT_ROWS", split_rows)
+    q, k, v = inputs(gen, torch.float16, 50)
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[1, :37] = side == "left"
+    mask[1, 37:] = side == "right"
+    check_against_reference(gen, q, k, v, "float16", causal=False, mask=mask)

@@ -2,18 +2,16 @@
 §1.3.1), forward and backward.
 
 ``forward`` and ``backward`` take ``LLNInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in their own half dtype, read
-as half by the kernels (fp32 accumulation). The shifts are the parallel implementation's (``parallel._causal_shifts``: a
-fixed number of ops whatever N), so the stabilisation, and the causal op's independence of future tokens, are
-unchanged. ``supports`` says which inputs the kernels take; others run ``parallel`` (``impls.implementation_for``).
+as half by the kernels (fp32 accumulation). The shifts are the parallel implementation's
+(``parallel._causal_shifts``), computed by the kernels from the half inputs, so the stabilisation, and the causal
+op's independence of future tokens, are unchanged. ``supports`` says which inputs the kernels take; others run
+``parallel`` (``impls.implementation_for``).
 """
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
-from ..batched import chunks
-from . import parallel
-from .features import _finite_or_zero
 from .inputs import LLNInputs
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -34,24 +32,17 @@ def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:
     alpha, beta = _per_head(x)
     if not x.causal:
         from ..triton.lln_noncausal import lln_noncausal
-        m = _finite_or_zero(parallel._scaled_keys(x).amax(2, keepdim=True))  # the per-feature key maximum M_d
-        out, s, den = lln_noncausal(x.q, x.k, x.v, alpha, beta, m, x.mask, averaged)
+        out, s, den, m = lln_noncausal(x.q, x.k, x.v, alpha, beta, x.mask, averaged)
         return out, (None, m, s, den)
     from ..triton.lln_causal import lln_causal
-    bk, _, m_incl, m_prev = parallel._causal_shifts(x)
-    g = bk.sub_(parallel._per_chunk(m_prev)).amax(-1).clamp_min_(0)  # a key's excess over the earlier chunks
-    del bk
-    rho = g.cummax(-1).values  # per query: the largest excess among the keys it sees
-    a = torch.addcmul(parallel._per_chunk(m_prev), chunks(x.q.to(m_prev.dtype), x.chunk), x.alpha[..., None])
-    lse = a.amax(-1, keepdim=True)  # the query's own shift (LLN eq. 8 features referenced to their maximum)
-    del a
-    out, s, den = lln_causal(x.q, x.k, x.v, alpha, beta, x.mask, m_prev, m_incl, g, rho, lse, averaged)
+    out, s, den, m_prev, m_incl, g, rho, lse = lln_causal(x.q, x.k, x.v, alpha, beta, x.mask, x.chunk, averaged)
     return out, (out.to(x.q.dtype) if averaged else out, m_incl, m_prev, g, rho, lse, s, den)
 
 
 def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (fp32) of ``scale`` * LLN from ``forward``'s ``saved`` and dL/d(out) (B,H,N,Dv), in the backward
-    kernels (``triton/lln_causal_backward.py``, ``triton/lln_noncausal_backward.py``)."""
+    """dq, dk, dv (in the inputs' half dtype, computed in fp32) of ``scale`` * LLN from ``forward``'s ``saved`` and
+    dL/d(out) (B,H,N,Dv), in the backward kernels (``triton/lln_causal_backward.py``,
+    ``triton/lln_noncausal_backward.py``)."""
     alpha, beta = _per_head(x)
     out, *state = saved
     if not x.causal:

@@ -1,8 +1,10 @@
 """What the Triton kernels share: launch sizes, the half dtypes, and a tensor-core product of bounded operands.
 
-Loops over a runtime length are ``while`` loops: Triton 3.6's interpreter cannot take a runtime bound in
-``range`` with NumPy >= 2.4 (fixed in Triton 3.9); compiled, both are loops of the same trip count.
+Loops over a runtime length are ``for ... in range(start, end, step)`` loops, which Triton software-pipelines on a
+GPU (a ``while`` loop it does not); Triton's interpreter takes their runtime bounds from 3.9 on (3.6's fails with
+NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its torch ships (3.6 with torch 2.11).
 """
+import json
 import os
 
 import torch
@@ -11,6 +13,28 @@ import triton.language as tl
 
 HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dtypes the kernels take
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
+
+# Launch settings per kernel (warps, pipeline stages, BF: features per program of a walk over the chunks), from
+# ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
+# on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
+# LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
+LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
+          "lln_causal_states": dict(BF=16, num_warps=4, num_stages=2),
+          "lln_causal_outputs": dict(num_warps=4, num_stages=1),
+          "lln_causal_grad_states": dict(BF=16, num_warps=4, num_stages=2),
+          "lln_causal_grads": dict(num_warps=8, num_stages=1),
+          "lln_noncausal_state": dict(num_warps=4, num_stages=2),
+          "lln_noncausal_readout": dict(num_warps=4, num_stages=1),
+          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
+          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1)}
+
+
+def launch(kernel: str, d: int) -> dict:
+    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d: BF at most d's block."""
+    settings = {**LAUNCH[kernel], **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
+    if "BF" in settings:
+        settings["BF"] = min(settings["BF"], block(d))
+    return settings
 
 
 def block(n: int) -> int:

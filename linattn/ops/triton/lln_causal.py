@@ -1,14 +1,21 @@
-"""Causal LLN (LLN eq. 8-9) as a chunk kernel, the custom op ``linattn::lln_causal``.
+"""Causal LLN (LLN eq. 8-9) as chunk kernels, the custom op ``linattn::lln_causal``.
 
-One program per head walks its chunks of C rows in order. The shifts are the parallel implementation's
-(``lln/parallel.py``, computed there and passed in): m_prev (the running per-feature key maximum over *earlier*
-chunks), m_incl (over chunks <= c), a key's excess g_j >= 0 over m_prev and a query's running maximum rho_i of g.
-Per chunk:
-W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by selection, so no
-output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q [S_c, z_c]) divided by
-its last column. The state [S, z] (D, Dv+1) stays in fp32 registers: it is written out before each chunk (the
-backward reads S_c) and then S_(c+1) = e^(m_prev - m_incl) S_c + phi_k(m_incl)^T [v, 1]. phi_q, phi_k, e^(g - rho)
-are <= 1 and W <= D: their products with v run on tensor cores in the input's half dtype, fp32 accumulation.
+The shifts are the parallel implementation's (``lln/parallel.py``): m_prev (the running per-feature key maximum
+over *earlier* chunks), m_incl (over chunks <= c), a key's excess g_j >= 0 over m_prev, a query's running maximum
+rho_i of g in its chunk, and the query's own shift lse_i = max_d (m_prev_d + alpha q_id); all from the half inputs
+in the kernels (each chunk's key maximum: ``lln_key_max.py``; their running maximum over the chunks: one cummax).
+
+- ``_states``, grid (B*H, D / FEATURES): the state [S_c, z_c] (fp32) before every chunk c for a block of features,
+  S_(c+1) = e^(m_prev - m_incl) S_c + phi_k(m_incl)^T [v, 1] (phi_k referenced to m_incl, <= 1: its product with v
+  on tensor cores in the half dtype, fp32 accumulation). The only walk over the chunks, and a light one (a
+  (FEATURES, C) x (C, Dv) product a step); feature blocks are independent, so a head is several programs.
+- ``_outputs``, grid (chunks, B*H): every chunk at once from its stored state (g, rho and lse stored for the
+  backward): W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by
+  selection, so no output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q
+  [S_c, z_c]) divided by its last column.
+
+One program per head walking its chunks in order (the first form) left an H100 with 12 programs at B*H = 12 (N =
+32K): 6.7x slower than the softmax module there (docs/design.md §1.3.1).
 """
 from typing import Optional, Tuple
 
@@ -17,15 +24,53 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch
+from .lln_key_max import key_block_max
 
 
 @triton.jit
-def _chunks(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr,
-            out_ptr, den_ptr, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-            HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """One head: every chunk in order; stores out (N, DV), den (N,) and the states before each chunk (NC, D, DV+1)."""
+def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, H, N, D, DV, NC, C, BC: tl.constexpr,
+            BF: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+            HAS_MASK: tl.constexpr):
+    """One head, features BF*j .. BF*(j+1): stores the state before each chunk into s (NC, D, DV+1)."""
     pid = tl.program_id(0)
+    i = tl.arange(0, BC)
+    d = tl.program_id(1) * BF + tl.arange(0, BF)
+    e = tl.arange(0, BDV)
+    dok = d < D
+    eok = e < DV
+    beta = tl.load(beta_ptr + pid)
+    s = tl.zeros((BF, BDV), tl.float32)
+    z = tl.zeros((BF,), tl.float32)
+    for c in range(0, NC):
+        state = s_ptr + ((pid * NC + c) * D + d) * (DV + 1)
+        tl.store(state[:, None] + e[None, :], s, mask=dok[:, None] & eok[None, :])
+        tl.store(state + DV, z, mask=dok)
+        rows = c * C + i
+        ok = (i < C) & (rows < N)
+        key_ok = ok
+        if HAS_MASK:
+            key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+        mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+        mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+        bk = tl.load(k_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & dok[None, :],
+                     other=0.0).to(tl.float32) * beta
+        fki = tl.exp(tl.where(key_ok[:, None] & dok[None, :], bk - mi[None, :], float("-inf")))  # phi_k to m_incl
+        vv = tl.load(v_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & eok[None, :],
+                     other=0.0)
+        decay = tl.exp(tl.minimum(mp - mi, 0.0))  # <= 1; S is 0 where m_prev had no key yet
+        s = s * decay[:, None] + half_dot(tl.trans(fki), vv, HALF_TY, EMULATE)
+        z = z * decay + tl.sum(fki, 0)
+
+
+@triton.jit
+def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
+             den_ptr, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+             HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
+    shifts g, rho, lse (C,)."""
+    c = tl.program_id(0)
+    pid = tl.program_id(1)
     i = tl.arange(0, BC)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -33,73 +78,77 @@ def _chunks(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, 
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
     beta = tl.load(beta_ptr + pid)
-    s = tl.zeros((BD, BDV), tl.float32)
-    z = tl.zeros((BD,), tl.float32)
-    c = 0
-    while c < NC:  # not ``for ... in range(NC)``: see ``common.py``
-        rows = c * C + i
-        ok = (i < C) & (rows < N)
-        key_ok = ok
-        if HAS_MASK:
-            key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
-        state = s_ptr + (pid * NC + c) * D * (DV + 1) + d[:, None] * (DV + 1)
-        tl.store(state + e[None, :], s, mask=dok[:, None] & eok[None, :])
-        tl.store(s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1) + DV, z, mask=dok)
-        mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        at = rows[:, None] * D + d[None, :]
-        bk = tl.load(k_ptr + pid * N * D + at, mask=ok[:, None] & dok[None, :], other=0.0).to(tl.float32) * beta
-        live = key_ok[:, None] & dok[None, :]
-        fk = tl.where(live, tl.exp((bk - mp[None, :]) - g[:, None]), 0.0)
-        qq = tl.load(q_ptr + pid * N * D + at, mask=ok[:, None] & dok[None, :], other=0.0).to(tl.float32)
-        fq = tl.where(ok[:, None] & dok[None, :], tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
-        w = half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-        w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
-        vv = tl.load(v_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & eok[None, :],
-                     other=0.0)
-        r = tl.exp(-rho)
-        o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * tl.dot(fq, s, input_precision="ieee")
-        den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
-        tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :],
-                 (o / den[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & eok[None, :])
-        tl.store(den_ptr + pid * N + rows, den, mask=ok)
-        fki = tl.where(live, tl.exp(bk - mi[None, :]), 0.0)  # phi_k referenced to m_incl: the next chunks' state
-        decay = tl.exp(tl.minimum(mp - mi, 0.0))  # <= 1; S is 0 where m_prev had no key yet
-        s = s * decay[:, None] + half_dot(tl.trans(fki), vv, HALF_TY, EMULATE)
-        z = z * decay + tl.sum(fki, 0)
-        c += 1
+    rows = c * C + i
+    ok = (i < C) & (rows < N)
+    key_ok = ok
+    if HAS_MASK:
+        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    state = s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
+    s = tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
+    z = tl.load(state + DV, mask=dok, other=0.0)
+    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    at = rows[:, None] * D + d[None, :]
+    live = key_ok[:, None] & dok[None, :]
+    bk = tl.load(k_ptr + pid * N * D + at, mask=ok[:, None] & dok[None, :], other=0.0).to(tl.float32) * beta
+    g = tl.maximum(tl.max(tl.where(live, bk - mp[None, :], float("-inf")), 1), 0.0)  # a key's excess, 0 if padded
+    rho = tl.max(tl.where(i[None, :] <= i[:, None], g[None, :], 0.0), 1)  # the largest excess a query sees
+    qq = tl.load(q_ptr + pid * N * D + at, mask=ok[:, None] & dok[None, :], other=0.0).to(tl.float32)
+    a = mp[None, :] + qq * alpha
+    lse = tl.max(tl.where(dok[None, :], a, float("-inf")), 1)  # the query's own shift
+    shift = (pid * NC + c) * C + i
+    tl.store(g_ptr + shift, g, mask=i < C)
+    tl.store(rho_ptr + shift, rho, mask=i < C)
+    tl.store(lse_ptr + shift, lse, mask=i < C)
+    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+    fq = tl.where(ok[:, None] & dok[None, :], tl.exp(a - lse[:, None]), 0.0)
+    w = half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
+    w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
+    vv = tl.load(v_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & eok[None, :], other=0.0)
+    r = tl.exp(-rho)
+    o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * tl.dot(fq, s, input_precision="ieee")
+    den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
+    tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], (o / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok[:, None] & eok[None, :])
+    tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
 @torch.library.custom_op("linattn::lln_causal", mutates_args=())
-def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor], m_prev: Tensor,
-               m_incl: Tensor, g: Tensor, rho: Tensor, lse: Tensor, averaged: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """q, k (B,H,N,D), v (B,H,N,Dv) half; alpha, beta (B,H) fp32; mask (B,N) or None; the shifts m_prev, m_incl
-    (B,H,D,nc), g, rho (B,H,nc,C), lse (B,H,nc,C,1) fp32 -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``),
-    the states before each chunk s (B,H,nc,D,Dv+1), den (B,H,N,1)."""
-    out, s, den = _empty(q, v, g, averaged)
+def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor], chunk: int,
+               averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k (B,H,N,D), v (B,H,N,Dv) half; alpha, beta (B,H) fp32; mask (B,N) or None; ``chunk`` rows a chunk (<= N)
+    -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``), the states before each chunk s (B,H,nc,D,Dv+1), den
+    (B,H,N,1) and the shifts m_prev, m_incl (B,H,D,nc), g, rho, lse (B,H,nc,C), fp32."""
+    out, s, den, m_prev, m_incl, g, rho, lse = _empty(q, v, chunk, averaged)
     b, h, n, d = q.shape
-    nc, c = g.shape[2:]
+    nc = g.shape[2]
     dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    _chunks[(b * h,)](q, k, v, alpha, beta, mask_u8, m_prev.contiguous(), m_incl.contiguous(), g.contiguous(),
-                      rho.contiguous(), lse.contiguous(), s, out, den, h, n, d, dv, nc, c, BC=block(c), BD=block(d),
-                      BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
-                      HAS_MASK=mask is not None)
-    return out, s, den
+    top = key_block_max(k, beta, mask_u8, mask is not None, chunk).cummax(-1).values  # M_c, -inf before any key
+    torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)
+    m_prev[..., 0] = 0.0
+    m_prev[..., 1:] = m_incl[..., :-1]
+    sizes = dict(BC=block(chunk), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                 HAS_MASK=mask is not None)
+    walk = launch("lln_causal_states", d)
+    _states[(b * h, triton.cdiv(d, walk["BF"]))](k, v, beta, mask_u8, m_prev, m_incl, s, h, n, d, dv, nc, chunk,
+                                                 **sizes, **walk)
+    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, h, n, d, dv, nc, chunk,
+                          BD=block(d), **sizes, **launch("lln_causal_outputs", d))
+    return out, s, den, m_prev, m_incl, g, rho, lse
 
 
 @lln_causal.register_fake
-def _(q, k, v, alpha, beta, mask, m_prev, m_incl, g, rho, lse, averaged):
-    return _empty(q, v, g, averaged)
+def _(q, k, v, alpha, beta, mask, chunk, averaged):
+    return _empty(q, v, chunk, averaged)
 
 
-def _empty(q: Tensor, v: Tensor, g: Tensor, averaged: bool):
+def _empty(q: Tensor, v: Tensor, chunk: int, averaged: bool):
     b, h, n, d = q.shape
     dv = v.shape[-1]
+    nc = -(-n // chunk)
+    f32 = dict(dtype=torch.float32)
     return (q.new_empty((b, h, n, dv), dtype=torch.float32 if averaged else q.dtype),
-            q.new_empty((b, h, g.shape[2], d, dv + 1), dtype=torch.float32),
-            q.new_empty((b, h, n, 1), dtype=torch.float32))
+            q.new_empty((b, h, nc, d, dv + 1), **f32), q.new_empty((b, h, n, 1), **f32),
+            q.new_empty((b, h, d, nc), **f32), q.new_empty((b, h, d, nc), **f32),
+            *(q.new_empty((b, h, nc, chunk), **f32) for _ in range(3)))

@@ -1,12 +1,17 @@
-"""The backward of causal LLN (LLN eq. 8-9) as a chunk kernel, the custom op ``linattn::lln_causal_backward``: the
-parallel implementation's backward (``lln/parallel._causal_backward``) with its prefix over chunks turned into a
-reverse pass.
+"""The backward of causal LLN (LLN eq. 8-9) as two chunk kernels, the custom op ``linattn::lln_causal_backward``:
+the parallel implementation's backward (``lln/parallel._causal_backward``) with its prefix over chunks turned into a
+reverse walk.
 
-One program per head walks its chunks from the last. With go = scale [grad, -grad·out] / den and A_c = (phi_q
-e^(-rho))^T go over chunk c, dL/dU_c = G_c = sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' is carried in fp32
-registers: G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c. Inside a chunk the C×C products are formed in registers,
-later keys removed by selection. go is unbounded, so every product with it (and with the states) is read in fp32
-("ieee"); the bounded ones (phi_q phi_k^T, phi_k <= 1 with v) run on tensor cores in the half dtype.
+With go = scale [grad, -grad·out] / den and A_c = (phi_q e^(-rho))^T go over chunk c, dL/dU_c = G_c =
+sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' obeys G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c.
+
+- ``_grad_states``, grid (B*H, D / FEATURES): G_c (fp32) of every chunk for a block of features, from the last chunk
+  (the only walk over the chunks; feature blocks are independent);
+- ``_grads``, grid (chunks, B*H): every chunk's dq, dk, dv at once from the forward's state S_c and G_c; the C×C
+  products are formed in registers, later keys removed by selection.
+
+go is unbounded, so every product with it (and with the states) is read in fp32 ("ieee"); the bounded ones
+(phi_q phi_k^T, phi_k <= 1 with v) run on tensor cores in the half dtype.
 """
 from typing import Optional, Tuple
 
@@ -15,16 +20,62 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, emulate_half_dot, half_dot
+from .common import HALF, block, emulate_half_dot, half_dot, launch
 
 
 @triton.jit
-def _chunks_backward(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr,
-                     mi_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, dq_ptr, dk_ptr, dv_ptr, scale, H, N, D, DV, NC, C,
-                     BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
-                     EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """One head: every chunk from the last; stores dq, dk (N, D) and dv (N, DV) in fp32."""
+def _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV: tl.constexpr):
+    """go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``) of a chunk's rows: (C, DV) and (C,)."""
+    e = tl.arange(0, BDV)
+    re = ok[:, None] & (e[None, :] < DV)
+    ate = pid * N * DV + rows[:, None] * DV + e[None, :]
+    den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
+    gr = tl.load(grad_ptr + ate, mask=re, other=0.0).to(tl.float32)
+    ou = tl.load(out_ptr + ate, mask=re, other=0.0).to(tl.float32)
+    return gr * (scale / den)[:, None], -tl.sum(gr * ou, 1) * (scale / den)
+
+
+@triton.jit
+def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, scale, N,
+                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr):
+    """One head, features BF*j .. BF*(j+1): stores G_c of every chunk into gs (NC, D, DV+1), from the last."""
     pid = tl.program_id(0)
+    i = tl.arange(0, BC)
+    d = tl.program_id(1) * BF + tl.arange(0, BF)
+    e = tl.arange(0, BDV)
+    dok = d < D
+    alpha = tl.load(alpha_ptr + pid)
+    gv = tl.zeros((BF, BDV), tl.float32)  # G_c: dL/dU_c, its value columns
+    gz = tl.zeros((BF,), tl.float32)  # and its ones column
+    for t in range(0, NC):  # a forward loop (pipelined) over the chunks from the last
+        c = NC - 1 - t
+        state = gs_ptr + ((pid * NC + c) * D + d) * (DV + 1)
+        tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & (e[None, :] < DV))
+        tl.store(state + DV, gz, mask=dok)
+        rows = c * C + i
+        ok = (i < C) & (rows < N)
+        mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+        mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+        rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+        lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+        rd = ok[:, None] & dok[None, :]
+        qq = tl.load(q_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=rd, other=0.0).to(tl.float32)
+        fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
+        go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+        # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
+        decay = tl.exp(tl.minimum(mp - mi, 0.0))
+        gv = gv * decay[:, None] + tl.dot(tl.trans(fqr), go, input_precision="ieee")
+        gz = gz * decay + tl.sum(fqr * goz[:, None], 0)
+
+
+@triton.jit
+def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
+           rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, dv_ptr, scale, H, N, D, DV, NC, C, BC: tl.constexpr,
+           BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+           HAS_MASK: tl.constexpr):
+    """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype."""
+    c = tl.program_id(0)
+    pid = tl.program_id(1)
     i = tl.arange(0, BC)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -32,80 +83,74 @@ def _chunks_backward(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr,
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
     beta = tl.load(beta_ptr + pid)
-    gv = tl.zeros((BD, BDV), tl.float32)  # G_c: dL/dU_c, its value columns
-    gz = tl.zeros((BD,), tl.float32)  # and its ones column
-    c = NC - 1
-    while c >= 0:  # not ``for ... in range``: see ``common.py``
-        rows = c * C + i
-        ok = (i < C) & (rows < N)
-        key_ok = ok
-        if HAS_MASK:
-            key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
-        mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-        at = rows[:, None] * D + d[None, :]
-        rd = ok[:, None] & dok[None, :]
-        re = ok[:, None] & eok[None, :]
-        ate = rows[:, None] * DV + e[None, :]
-        qq = tl.load(q_ptr + pid * N * D + at, mask=rd, other=0.0).to(tl.float32)
-        fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
-        bk = tl.load(k_ptr + pid * N * D + at, mask=rd, other=0.0).to(tl.float32) * beta
-        live = key_ok[:, None] & dok[None, :]
-        fk = tl.where(live, tl.exp((bk - mp[None, :]) - g[:, None]), 0.0)
-        fki = tl.where(live, tl.exp(bk - mi[None, :]), 0.0)
-        vv = tl.load(v_ptr + pid * N * DV + ate, mask=re, other=0.0)
-        vf = vv.to(tl.float32)
-        # go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``)
-        den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
-        gr = tl.load(grad_ptr + pid * N * DV + ate, mask=re, other=0.0).to(tl.float32)
-        ou = tl.load(out_ptr + pid * N * DV + ate, mask=re, other=0.0).to(tl.float32)
-        go = gr * (scale / den)[:, None]
-        goz = -tl.sum(gr * ou, 1) * (scale / den)
-        r = tl.exp(-rho)
-        # the queries' part through the state S_c
-        state = s_ptr + (pid * NC + c) * D * (DV + 1) + d[:, None] * (DV + 1)
-        sv = tl.load(state + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
-        sz = tl.load(s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1) + DV, mask=dok, other=0.0)
-        dfq = r[:, None] * (tl.dot(go, tl.trans(sv), input_precision="ieee") + goz[:, None] * sz[None, :])
-        # inside the chunk: j <= i, by selection
-        causal = i[None, :] <= i[:, None]
-        ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-        dqk = tl.where(causal, (tl.dot(go, tl.trans(vf), input_precision="ieee") + goz[:, None]) * ex, 0.0)
-        dfq += tl.dot(dqk, fk, input_precision="ieee")
-        w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
-        dv = tl.dot(tl.trans(w), go, input_precision="ieee") + tl.dot(fki, gv, input_precision="ieee")
-        dbk = tl.dot(tl.trans(dqk), fq, input_precision="ieee") * fk + (
-            tl.dot(vf, tl.trans(gv), input_precision="ieee") + gz[None, :]) * fki
-        tl.store(dq_ptr + pid * N * D + at, dfq * fq * alpha, mask=rd)
-        tl.store(dk_ptr + pid * N * D + at, dbk * beta, mask=rd)
-        tl.store(dv_ptr + pid * N * DV + ate, dv, mask=re)
-        # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
-        fqr = fq * r[:, None]
-        decay = tl.exp(tl.minimum(mp - mi, 0.0))
-        gv = gv * decay[:, None] + tl.dot(tl.trans(fqr), go, input_precision="ieee")
-        gz = gz * decay + tl.sum(fqr * goz[:, None], 0)
-        c -= 1
+    rows = c * C + i
+    ok = (i < C) & (rows < N)
+    key_ok = ok
+    if HAS_MASK:
+        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    at = rows[:, None] * D + d[None, :]
+    rd = ok[:, None] & dok[None, :]
+    re = ok[:, None] & eok[None, :]
+    ate = rows[:, None] * DV + e[None, :]
+    qq = tl.load(q_ptr + pid * N * D + at, mask=rd, other=0.0).to(tl.float32)
+    fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
+    bk = tl.load(k_ptr + pid * N * D + at, mask=rd, other=0.0).to(tl.float32) * beta
+    live = key_ok[:, None] & dok[None, :]
+    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+    fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
+    vf = tl.load(v_ptr + pid * N * DV + ate, mask=re, other=0.0).to(tl.float32)
+    go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+    r = tl.exp(-rho)
+    # the queries' part through the state S_c
+    state = s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
+    sv = tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
+    sz = tl.load(state + DV, mask=dok, other=0.0)
+    dfq = r[:, None] * (tl.dot(go, tl.trans(sv), input_precision="ieee") + goz[:, None] * sz[None, :])
+    # inside the chunk: j <= i, by selection
+    causal = i[None, :] <= i[:, None]
+    ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
+    dqk = tl.where(causal, (tl.dot(go, tl.trans(vf), input_precision="ieee") + goz[:, None]) * ex, 0.0)
+    dfq += tl.dot(dqk, fk, input_precision="ieee")
+    w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
+    # the keys' part through the later chunks' queries: G_c
+    gstate = gs_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
+    gv = tl.load(gstate[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
+    gz = tl.load(gstate + DV, mask=dok, other=0.0)
+    dv = tl.dot(tl.trans(w), go, input_precision="ieee") + tl.dot(fki, gv, input_precision="ieee")
+    dbk = tl.dot(tl.trans(dqk), fq, input_precision="ieee") * fk + (
+        tl.dot(vf, tl.trans(gv), input_precision="ieee") + gz[None, :]) * fki
+    tl.store(dq_ptr + pid * N * D + at, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
+    tl.store(dk_ptr + pid * N * D + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
+    tl.store(dv_ptr + pid * N * DV + ate, dv.to(dv_ptr.dtype.element_ty), mask=re)
 
 
 @torch.library.custom_op("linattn::lln_causal_backward", mutates_args=())
 def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, den: Tensor, alpha: Tensor,
                         beta: Tensor, mask: Optional[Tensor], m_prev: Tensor, m_incl: Tensor, g: Tensor, rho: Tensor,
                         lse: Tensor, s: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in fp32 of ``scale`` x causal LLN, from dL/d(out) ``grad`` and the state of
-    ``lln_causal`` (out, den, s) and of its shifts (as ``lln_causal`` takes them)."""
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype of ``scale`` x causal LLN, from dL/d(out) ``grad`` and
+    the state of ``lln_causal`` (out, den, s) and its shifts (as ``lln_causal`` returns them)."""
     dq, dk, dv = _empty(q, v)
     b, h, n, d = q.shape
     nc, c = g.shape[2:]
     dv_dim = v.shape[-1]
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    _chunks_backward[(b * h,)](
-        q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous(), out.contiguous(), den.contiguous(), alpha,
-        beta, mask_u8, m_prev.contiguous(), m_incl.contiguous(), g.contiguous(), rho.contiguous(), lse.contiguous(),
-        s.contiguous(), dq, dk, dv, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d), BDV=block(dv_dim),
-        HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None)
+    q, grad, out, den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (q, grad, out, den, m_prev, m_incl, rho,
+                                                                            lse))
+    gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
+    walk = launch("lln_causal_grad_states", d)
+    _grad_states[(b * h, triton.cdiv(d, walk["BF"]))](q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, scale,
+                                                      n, d, dv_dim, nc, c, BC=block(c), BDV=block(dv_dim), **walk)
+    _grads[(nc, b * h)](
+        q, k.contiguous(), v.contiguous(), grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g.contiguous(), rho,
+        lse, s.contiguous(), gs, dq, dk, dv, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d),
+        BDV=block(dv_dim), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
+        **launch("lln_causal_grads", d))
     return dq, dk, dv
 
 
@@ -115,5 +160,4 @@ def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s
 
 
 def _empty(q: Tensor, v: Tensor):
-    return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape, dtype=torch.float32),
-            v.new_empty(v.shape, dtype=torch.float32))
+    return q.new_empty(q.shape), q.new_empty(q.shape), v.new_empty(v.shape)

@@ -1,8 +1,12 @@
-"""Non-causal LLN (LLN eq. 8-9) in two kernels, as the custom op ``linattn::lln_noncausal``.
+"""Non-causal LLN (LLN eq. 8-9) in two kernels and one sum, as the custom op ``linattn::lln_noncausal``.
 
-``_state``: per head, [S, z] = sum_j phi_k(k_j) [v_j, 1], phi_k = exp(beta k_j - m) <= 1 (m: the per-feature key
-maximum), S on tensor cores from half phi_k and v, fp32 accumulation. ``_readout``: per block of queries,
-phi_q = exp(alpha q + m - max_d(alpha q + m)) <= 1 and out = phi_q S / phi_q z, S read in fp32 ("ieee").
+``_state``, grid (B*H, cdiv(S, SPLIT_ROWS)): each program sums the partial [S, z] = sum_j phi_k(k_j) [v_j, 1] of
+SPLIT_ROWS keys of one head, phi_k = exp(beta k_j - m) <= 1 (m: the per-feature key maximum), S on tensor cores from
+half phi_k and v, fp32 accumulation; one ``sum`` over the split axis then gives [S, z] (deterministic, no atomics).
+One program per head would walk all S keys alone: at the training shapes (B*H = 12 to 24, S up to 32K) that is a
+tenth of an H100's 132 SMs; splitting the keys fills them, and the launches stay two kernels and one sum at any S.
+``_readout``, grid (B*H, cdiv(N, ROWS)): per block of queries, phi_q = exp(alpha q + m - max_d(alpha q + m)) <= 1
+and out = phi_q S / phi_q z, S read in fp32 ("ieee").
 """
 from typing import Optional, Tuple
 
@@ -11,15 +15,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch
+from .lln_key_max import key_block_max
 
+# Both read at call time, here and by the backward (lln_noncausal_backward.py); SPLIT_ROWS a multiple of ROWS.
 ROWS = 64  # keys per step of ``_state``, queries per program of ``_readout``
+SPLIT_ROWS = 1024  # keys per program of ``_state``, queries per program of the backward's ``_state_grad``
 
 
 @triton.jit
-def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, H, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr,
-           BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """One head: s (D, DV+1) = [S, z] over its S keys (LLN eq. 9), padded keys excluded."""
+def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, H, S, SPLIT, D, DV, BLOCK: tl.constexpr,
+           BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One split of one head: part (D, DV+1) = [S, z] over its SPLIT keys (LLN eq. 9), padded keys excluded."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -28,23 +35,23 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, H, S, D, DV, BLOCK: t
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     s = tl.zeros((BD, BDV), tl.float32)
     z = tl.zeros((BD,), tl.float32)
-    start = 0
-    while start < S:  # not ``for ... in range(S)``: see ``common.py``
+    first = tl.program_id(1) * SPLIT
+    end = tl.minimum(first + SPLIT, S)
+    for start in range(first, end, BLOCK):
         rows = start + r
-        ok = rows < S
+        ok = rows < end
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
         kk = tl.load(k_ptr + pid * S * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
                      other=0.0).to(tl.float32)
-        fk = tl.where(ok[:, None] & (d[None, :] < D), tl.exp(kk * beta - m[None, :]), 0.0)
+        fk = tl.exp(tl.where(ok[:, None] & (d[None, :] < D), kk * beta - m[None, :], float("-inf")))  # padded: 0
         vv = tl.load(v_ptr + pid * S * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & (e[None, :] < DV),
                      other=0.0)
         s += half_dot(tl.trans(fk), vv, HALF_TY, EMULATE)
         z += tl.sum(fk, 0)
-        start += BLOCK
-    base = s_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
-    tl.store(base + e[None, :], s, mask=(d[:, None] < D) & (e[None, :] < DV))
-    tl.store(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, z, mask=d < D)
+    at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * D * (DV + 1)  # part (B, H, splits, D, DV+1)
+    tl.store(at + d[:, None] * (DV + 1) + e[None, :], s, mask=(d[:, None] < D) & (e[None, :] < DV))
+    tl.store(at + d * (DV + 1) + DV, z, mask=d < D)
 
 
 @triton.jit
@@ -73,25 +80,33 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, N, D, DV, BLOCK: 
 
 
 @torch.library.custom_op("linattn::lln_noncausal", mutates_args=())
-def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, m: Tensor, mask: Optional[Tensor],
-                  averaged: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) half; alpha, beta (B,H) and the key maximum m (B,H,1,D) fp32; mask
-    (B,S) or None -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``), s = [S, z] (B,H,D,Dv+1), den (B,H,N,1)."""
-    out, s, den = _empty(q, v, averaged)
+def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor],
+                  averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) half; alpha, beta (B,H) fp32; mask (B,S) or None -> out (B,H,N,Dv)
+    (q's dtype, fp32 if ``averaged``), s = [S, z] (B,H,D,Dv+1), den (B,H,N,1) and the per-feature key maximum m
+    (B,H,1,D) (0 where no key), fp32."""
+    out, s, den, m = _empty(q, v, averaged)
     b, h, n, d = q.shape
     dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    _state[(b * h,)](k, v, beta, m.contiguous(), mask_u8, s, h, k.shape[2], d, dv, BLOCK=ROWS, BD=block(d),
-                     BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
-                     HAS_MASK=mask is not None)
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m.contiguous(), s, out, den, n, d, dv, BLOCK=ROWS,
-                                           BD=block(d), BDV=block(dv))
-    return out, s, den
+    length = k.shape[2]
+    assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
+    top = key_block_max(k, beta, mask_u8, mask is not None, SPLIT_ROWS).amax(-1)  # M_d, -inf where no key
+    torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m.view(b, h, d))
+    splits = max(1, triton.cdiv(length, SPLIT_ROWS))
+    part = s.new_empty((b, h, splits, d, dv + 1))  # each split's [S, z], summed below: deterministic, no atomics
+    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, h, length, SPLIT_ROWS, d, dv, BLOCK=ROWS,
+                            BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                            HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
+    torch.sum(part, 2, out=s)
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, n, d, dv, BLOCK=ROWS,
+                                           BD=block(d), BDV=block(dv), **launch("lln_noncausal_readout", d))
+    return out, s, den, m
 
 
 @lln_noncausal.register_fake
-def _(q, k, v, alpha, beta, m, mask, averaged):
+def _(q, k, v, alpha, beta, mask, averaged):
     return _empty(q, v, averaged)
 
 
@@ -99,4 +114,5 @@ def _empty(q: Tensor, v: Tensor, averaged: bool):
     b, h, n, d = q.shape
     dv = v.shape[-1]
     return (q.new_empty((b, h, n, dv), dtype=torch.float32 if averaged else q.dtype),
-            q.new_empty((b, h, d, dv + 1), dtype=torch.float32), q.new_empty((b, h, n, 1), dtype=torch.float32))
+            q.new_empty((b, h, d, dv + 1), dtype=torch.float32), q.new_empty((b, h, n, 1), dtype=torch.float32),
+            q.new_empty((b, h, 1, d), dtype=torch.float32))

@@ -1,10 +1,13 @@
 """The backward of non-causal LLN (LLN eq. 8-9), the custom op ``linattn::lln_noncausal_backward``: the parallel
-implementation's backward (``lln/parallel._noncausal_backward``) in two kernels.
+implementation's backward (``lln/parallel._noncausal_backward``) in two kernels and one sum.
 
-With go = scale [grad, -grad·out] / den (out rebuilt from phi_q and [S, z]): ``_state_grad`` sums
-dL/d[S, z] = phi_q^T go over the queries of each head; ``_rows_grad`` gives, per block of rows,
-dq = (go [S, z]^T) phi_q alpha, dk = ([v, 1] dL/d[S, z]^T) phi_k beta and dv = phi_k dL/dS. go and the states are
-unbounded: their products are read in fp32 ("ieee").
+With go = scale [grad, -grad·out] / den (out rebuilt from phi_q and [S, z]): ``_state_grad``, grid
+(B*H, cdiv(N, SPLIT_ROWS)), sums the partial dL/d[S, z] = phi_q^T go over SPLIT_ROWS queries of one head per program,
+and one ``sum`` over the split axis adds them (deterministic, no atomics): one program per head would walk all N
+queries alone, a tenth of an H100's 132 SMs at the training shapes (B*H = 12 to 24, N up to 32K). ``_rows_grad``,
+grid (B*H, cdiv(max(N, S), ROWS)), gives per block of rows dq = (go [S, z]^T) phi_q alpha,
+dk = ([v, 1] dL/d[S, z]^T) phi_k beta and dv = phi_k dL/dS. go and the states are unbounded: their products are read
+in fp32 ("ieee"). ROWS and SPLIT_ROWS are the forward's, read at call time.
 """
 from typing import Optional, Tuple
 
@@ -13,8 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import block
-from .lln_noncausal import ROWS
+from . import lln_noncausal as forward
+from .common import block, launch
 
 
 @triton.jit
@@ -46,9 +49,9 @@ def _state(s_ptr, pid, D, DV, BD: tl.constexpr, BDV: tl.constexpr):
 
 
 @triton.jit
-def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, ds_ptr, scale, N, D, DV, BLOCK: tl.constexpr,
-                BD: tl.constexpr, BDV: tl.constexpr):
-    """One head: ds (D, DV+1) = dL/d[S, z] = sum over its queries of phi_q^T go."""
+def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
+                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -57,23 +60,24 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, ds_ptr, scale
     sv, _ = _state(s_ptr, pid, D, DV, BD, BDV)
     dsv = tl.zeros((BD, BDV), tl.float32)
     dsz = tl.zeros((BD,), tl.float32)
-    start = 0
-    while start < N:  # not ``for ... in range(N)``: see ``common.py``
+    first = tl.program_id(1) * SPLIT
+    end = tl.minimum(first + SPLIT, N)
+    for start in range(first, end, BLOCK):
         fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, start + tl.arange(0, BLOCK), N,
-                                   D, DV, BD, BDV)
+                                   D, DV, BD, BDV)  # rows < end: SPLIT is a multiple of BLOCK
         dsv += tl.dot(tl.trans(fq), go, input_precision="ieee")
         dsz += tl.sum(fq * goz[:, None], 0)
-        start += BLOCK
-    base = ds_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
-    tl.store(base + e[None, :], dsv, mask=(d[:, None] < D) & (e[None, :] < DV))
-    tl.store(ds_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, dsz, mask=d < D)
+    at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * D * (DV + 1)  # part (B, H, splits, D, DV+1)
+    tl.store(at + d[:, None] * (DV + 1) + e[None, :], dsv, mask=(d[:, None] < D) & (e[None, :] < DV))
+    tl.store(at + d * (DV + 1) + DV, dsz, mask=d < D)
 
 
 @triton.jit
 def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr, dq_ptr,
                dk_ptr, dv_ptr, scale, H, N, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                HAS_MASK: tl.constexpr):
-    """One block of rows of one head: dq of its queries, dk and dv of its keys (fp32)."""
+    """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
+    the inputs' dtype)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
@@ -83,21 +87,22 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     alpha = tl.load(alpha_ptr + pid)
     fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD, BDV)
     dq = (tl.dot(go, tl.trans(sv), input_precision="ieee") + goz[:, None] * sz[None, :]) * fq * alpha
-    tl.store(dq_ptr + pid * N * D + rows[:, None] * D + d[None, :], dq, mask=(rows[:, None] < N) & (d[None, :] < D))
+    tl.store(dq_ptr + pid * N * D + rows[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=(rows[:, None] < N) & (d[None, :] < D))
     ok = rows < S
     if HAS_MASK:
         ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
     live = ok[:, None] & (d[None, :] < D)
     beta = tl.load(beta_ptr + pid)
     kk = tl.load(k_ptr + pid * S * D + rows[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-    fk = tl.where(live, tl.exp(kk * beta - m[None, :]), 0.0)
+    fk = tl.exp(tl.where(live, kk * beta - m[None, :], float("-inf")))  # padded keys: exp(-inf) = 0
     dsv, dsz = _state(ds_ptr, pid, D, DV, BD, BDV)
     at = rows[:, None] * DV + e[None, :]
     vv = tl.load(v_ptr + pid * S * DV + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     dk = (tl.dot(vv, tl.trans(dsv), input_precision="ieee") + dsz[None, :]) * fk * beta
     inside = (rows[:, None] < S) & (d[None, :] < D)
-    tl.store(dk_ptr + pid * S * D + rows[:, None] * D + d[None, :], dk, mask=inside)
-    tl.store(dv_ptr + pid * S * DV + at, tl.dot(fk, dsv, input_precision="ieee"),
+    tl.store(dk_ptr + pid * S * D + rows[:, None] * D + d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=inside)
+    tl.store(dv_ptr + pid * S * DV + at, tl.dot(fk, dsv, input_precision="ieee").to(dv_ptr.dtype.element_ty),
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
 
@@ -105,19 +110,23 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
 def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, alpha: Tensor, beta: Tensor, m: Tensor,
                            s: Tensor, den: Tensor, mask: Optional[Tensor],
                            scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq (B,H,N,D), dk (B,H,S,D), dv (B,H,S,Dv) in fp32 of ``scale`` x LLN from dL/d(out) ``grad`` and the state
-    of ``lln_noncausal`` (m, s, den)."""
+    """dq (B,H,N,D), dk (B,H,S,D), dv (B,H,S,Dv) in the inputs' dtype of ``scale`` x LLN from dL/d(out) ``grad``
+    and the state of ``lln_noncausal`` (m, s, den)."""
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
     q, k, v, grad, m, s, den = (t.contiguous() for t in (q, k, v, grad, m, s, den))
-    ds = torch.empty_like(s)
-    _state_grad[(b * h,)](q, grad, alpha, m, s, den, ds, scale, n, d, dv_dim, BLOCK=ROWS, BD=block(d),
-                          BDV=block(dv_dim))
+    rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
+    assert split_rows % rows == 0, (split_rows, rows)
+    splits = max(1, triton.cdiv(n, split_rows))
+    part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
+    _state_grad[(b * h, splits)](q, grad, alpha, m, s, den, part, scale, n, split_rows, d, dv_dim, BLOCK=rows,
+                                 BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
+    ds = part.sum(2)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    _rows_grad[(b * h, triton.cdiv(max(n, length), ROWS))](
-        q, k, v, grad, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, scale, h, n, length, d, dv_dim, BLOCK=ROWS,
-        BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None)
+    _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
+        q, k, v, grad, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, scale, h, n, length, d, dv_dim, BLOCK=rows,
+        BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
     return dq, dk, dv
 
 
@@ -127,5 +136,4 @@ def _(q, k, v, grad, alpha, beta, m, s, den, mask, scale):
 
 
 def _empty(q: Tensor, k: Tensor, v: Tensor):
-    return (q.new_empty(q.shape, dtype=torch.float32), k.new_empty(k.shape, dtype=torch.float32),
-            v.new_empty(v.shape, dtype=torch.float32))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
