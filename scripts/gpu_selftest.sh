@@ -8,14 +8,15 @@ case "${1:-}" in
   -h|--help)
     cat <<USAGE
 Usage: bash scripts/gpu_selftest.sh [--device cuda|cpu] [--quick] [--stages STAGE...] [--work DIR]
-                                    [--updates 50] [--min-loss-scale 1]
+                                    [--updates 50] [--min-loss-scale 1] [--methods METHOD...]
 
 About 15 minutes on one GPU (set CUDA_VISIBLE_DEVICES to choose; 2 or more visible GPUs add multi_gpu);
 the .venv must hold a CUDA build of torch. Each stage prints PASS/FAIL per check with the measured number
 and its threshold:
   env        torch, CUDA, driver, GPUs, compute capability, native bfloat16 (bf16 checks skipped without);
-  ops        every method x role x float32/float16/bfloat16 x parallel/looped implementation, eval and train mode
-             (EMA statistics, landmark redraws, dropout), forward and gradients vs the float64 reference;
+  ops        every method (or --methods) x role x float32/float16/bfloat16 x parallel/looped implementation (and
+             fused in float16/bfloat16 where an op has kernels), eval and train mode (EMA statistics, landmark
+             redraws, dropout), forward and gradients vs the float64 reference;
   compile    --attention-compile: each method's training step compiled (Triton) vs eager, one graph;
   train      50 --fp16 updates of the sample recipes per attention: loss falls, loss_scale after warm-up
              >= --min-loss-scale (read from this run's TensorBoard), moment statistics finite;

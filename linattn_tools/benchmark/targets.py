@@ -3,6 +3,7 @@ causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.
 
     python -m linattn_tools.benchmark.targets --dtype bfloat16 --n 4096 --json runs/gpu_bench/bfloat16_4096.json
     python -m linattn_tools.benchmark.targets --render runs/gpu_bench/*.json     # the targets table
+    python -m linattn_tools.benchmark.targets --render docs/benchmarks/gpu_targets_h100.json --run parallel
     bash scripts/gpu_bench.sh                                                    # every point, then the table
 
 One step: ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``, weights and inputs in
@@ -118,9 +119,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write this point's results here")
     p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
                    help="measure nothing: print the targets table of these points")
+    p.add_argument("--run", default=None, help="with --render, of a file holding several runs "
+                   "(docs/benchmarks/gpu_targets_h100.json): the one of this name")
     args = p.parse_args(argv)
     if args.render:
-        print(render([json.loads(path.read_text()) for path in args.render]))
+        results = [json.loads(path.read_text()) for path in args.render]
+        if args.run:
+            results = [{"machine": res["machine"], "rows": res["runs"][args.run]["rows"]} for res in results]
+        print(render(results))
         return 0
     res = measure_point(args)
     if args.json:

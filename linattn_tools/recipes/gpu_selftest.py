@@ -3,7 +3,8 @@
 Stages, each printing PASS/FAIL per check with the measured number and its threshold:
   env        torch, CUDA and driver versions, GPUs, compute capability, native bfloat16 (bf16 checks skipped
              where it is missing);
-  ops        every method x role x dtype x implementation (parallel, looped): forward and gradients on the
+  ops        every method (--methods: some) x role x dtype x implementation (parallel, looped; fused in half
+             precision where an op has kernels): forward and gradients on the
              device against the float64 reference, eval and train mode (EMA and running statistics, landmark
              redraws, dropout), tolerances from linattn/tolerances.py;
   compile    --attention-compile: every method x role's training step compiled (Triton on a GPU) against eager,
@@ -28,6 +29,8 @@ import logging
 import sys
 import time
 from pathlib import Path
+
+from linattn.methods import METHODS
 
 from .selftest import core
 from .selftest.core import ROOT, STAGES, Settings, Stage
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--updates", type=int, default=50, help="updates per training run (without --quick)")
     parser.add_argument("--min-loss-scale", type=float, default=1.0,
                         help="floor of the fp16 loss scale after warm-up (fairseq starts at 128)")
+    parser.add_argument("--methods", nargs="+", default=[], choices=sorted(METHODS), metavar="METHOD",
+                        help=f"the ops stage checks only these methods ({', '.join(sorted(METHODS))}; default all)")
     return parser.parse_args(argv)
 
 
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)  # before fairseq's modules, some of which set DEBUG on import
     started = time.time()
     settings = Settings(args.device, args.work.resolve(), quick=args.quick, updates=args.updates,
-                        min_loss_scale=args.min_loss_scale)
+                        min_loss_scale=args.min_loss_scale, methods=tuple(args.methods))
     settings.work.mkdir(parents=True, exist_ok=True)
     core.clear_work(settings.work)
     print(f"[gpu_selftest] {torch_build()}, device {args.device}{' --quick' if args.quick else ''}; "

@@ -1,4 +1,5 @@
-"""The ``ops`` stage: every method x role x dtype x implementation (``attention_impl`` parallel and looped), its
+"""The ``ops`` stage: every method x role x dtype x implementation (``attention_impl`` parallel and looped; fused
+in float16 and bfloat16 for the methods whose op has fused kernels, a SKIP row naming the others), its
 module's ``attend`` on the device, forward and input gradients, judged by ``linattn.tolerances`` (the table the CPU
 tests read):
 
@@ -21,7 +22,8 @@ from linattn.tolerances import tolerance
 from .core import Settings, Stage
 
 DTYPES = ("float32", "float16", "bfloat16")
-IMPLS = ("parallel", "looped")
+IMPLS = ("parallel", "looped", "fused")
+FUSED_DTYPES = ("float16", "bfloat16")  # the dtypes the fused kernels take (linattn/ops/lln/fused.py)
 # small settings so that blocks, chunks, windows and landmarks all come into play at N = 200 (and N = 40)
 SMALL = dict(lln_chunk_size=16, lln_diag_block_size=16, skyformer_landmarks=16, lavo_window=8)
 SIZES = {False: dict(batch=2, heads=3, n=200, head_dim=32, draws=256),
@@ -231,6 +233,8 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
     """Every case in every impl and dtype on ``settings.device`` (``only``: a filter on the case names)."""
     import torch
 
+    from linattn.ops.impls import implementation_for
+
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     stage = Stage("ops", note="tolerances: linattn/tolerances.py (relative error; gradients x2)")
@@ -239,6 +243,15 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
         cases = build_cases(sizes["heads"], sizes["head_dim"], impl)
         dropped = build_cases(sizes["heads"], sizes["head_dim"], impl, dropout=DROPOUT)
         for name, module in cases.items():
-            if only is None or only(name):
+            if (only is not None and not only(name)) or (settings.methods and module.method not in settings.methods):
+                continue
+            if impl != "fused":
                 check_case(stage, name, module, settings, DTYPES, impl, sizes, dropout_module=dropped[name])
+                continue
+            probe = torch.empty(1, 1, 1, sizes["head_dim"], dtype=torch.float16, device=settings.device)
+            ran = implementation_for(module.method, impl, probe)
+            if ran == "fused":
+                check_case(stage, name, module, settings, FUSED_DTYPES, impl, sizes)
+            else:
+                stage.add(f"{name} fused", "SKIP", detail=f"{ran} runs: no fused kernel for this op on this device")
     return stage

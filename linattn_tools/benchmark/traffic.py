@@ -1,0 +1,95 @@
+"""The memory traffic of one attention module's training step, counted on the ``meta`` device (no GPU needed): the
+bytes each ATen op (or custom op) reads and writes, and a floor on its GPU time, max(bytes / bandwidth, matmul
+FLOPs / rate) + a launch, summed per op name. A lower bound that says which ops move the bytes; the profiler on a
+GPU (``profile_step.py``) says what they cost. SDPA on ``meta`` is its materialising (math) form, so the softmax
+module's count is not its flash kernel's.
+
+    python -m linattn_tools.benchmark.traffic --method lln --causal --n 4096 --impl fused
+"""
+import argparse
+import sys
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from linattn.methods import METHODS
+from linattn.ops.impls import IMPLS
+from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
+
+BANDWIDTH = 2.5e12  # bytes/s an H100's HBM3 sustains in practice (3.35 nominal)
+HALF_RATE, FLOAT_RATE = 600e12, 50e12  # dense matmul FLOP/s in half precision (tensor cores) and fp32
+LAUNCH = 3e-6  # seconds a kernel launch adds at least
+
+
+class _Traffic(TorchDispatchMode):
+    """Per non-view op: name, bytes of its tensor inputs and outputs, matmul FLOPs, output dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return out  # a view moves no byte
+        name = func.overloadpacket.__name__
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        flops = 0
+        if name in ("mm", "addmm"):
+            flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-1].shape[1]
+        elif name in ("bmm", "baddbmm"):
+            flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-2].shape[2] * ins[-1].shape[2]
+        self.rows.append((name, sum(t.numel() * t.element_size() for t in ins + outs), flops,
+                          outs[0].dtype if outs else None))
+        return out
+
+
+def seconds(nbytes: int, flops: int, dtype) -> float:
+    """The floor on one op's GPU time: memory or matmul bound, plus a launch."""
+    rate = HALF_RATE if dtype in (torch.float16, torch.bfloat16) else FLOAT_RATE
+    return max(nbytes / BANDWIDTH, flops / rate) + LAUNCH
+
+
+def step_traffic(method: str, causal: bool, n: int, tokens: int, dtype: str, impl: str) -> Dict[str, object]:
+    """Ops, bytes and the time floor of one training step (after one uncounted step), and the floor per op name."""
+    dt = getattr(torch, dtype)
+    module = build(method, causal, impl, dtype=dt, device="meta")
+    x, mask = module_step_inputs(n, dtype=dt, device="meta", batch=max(1, tokens // n))
+    mask = None if causal else mask
+    step(module, x, mask)
+    counter = _Traffic()
+    with counter:
+        step(module, x, mask)
+    per_op: Dict[str, float] = defaultdict(float)
+    for name, nbytes, flops, out_dtype in counter.rows:
+        per_op[name] += seconds(nbytes, flops, out_dtype)
+    return {"ops": len(counter.rows), "bytes": sum(r[1] for r in counter.rows), "seconds": sum(per_op.values()),
+            "per_op": dict(sorted(per_op.items(), key=lambda kv: -kv[1]))}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", choices=sorted(METHODS), default="lln")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--tokens-per-step", type=int, default=32768, help="B = this // N (at least 1)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float16")
+    p.add_argument("--impl", choices=IMPLS, default="parallel")
+    p.add_argument("--rows", type=int, default=15)
+    args = p.parse_args(argv)
+    res = step_traffic(args.method, args.causal, args.n, args.tokens_per_step, args.dtype, args.impl)
+    series = f"{args.method}{' causal' if args.causal else ''} N={args.n} {args.dtype} impl {args.impl}"
+    print(f"{series}: {res['ops']} ops, {res['bytes'] / 2**30:.2f} GiB moved, floor {res['seconds'] * 1e3:.2f} ms at "
+          f"{BANDWIDTH / 1e12:g} TB/s")
+    for name, sec in list(res["per_op"].items())[:args.rows]:
+        print(f"  {name:36s} {sec * 1e3:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

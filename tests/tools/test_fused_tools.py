@@ -1,0 +1,48 @@
+"""The fused kernels' GPU tools run here too: the traffic count (meta device), the profiler's table (CPU), the
+launch tuner's reference check and search (Triton's interpreter, tiny shapes)."""
+import os
+
+import pytest
+import torch
+
+from linattn_tools.benchmark import profile_step, traffic
+
+
+def test_traffic_counts_the_fused_causal_step_below_half_the_parallel_one():
+    """At (B, N) = (4, 1024) fp16 the fused causal LLN step moves under half the parallel one's bytes (its shifts
+    in the kernels, no fp32 copies of q, k, v); each count covers the projections, so both exceed their bytes."""
+    fused = traffic.step_traffic("lln", True, 1024, 4096, "float16", "fused")
+    parallel = traffic.step_traffic("lln", True, 1024, 4096, "float16", "parallel")
+    projections = 4 * 4096 * 768 * 2  # one pass over the four (tokens, 768) fp16 projections' outputs
+    assert projections < fused["bytes"] < 0.5 * parallel["bytes"]
+    assert fused["per_op"]["lln_causal"] > 0 and "lln_causal_backward" in fused["per_op"]
+    assert fused["seconds"] == pytest.approx(sum(fused["per_op"].values()))
+
+
+def test_profile_step_prints_the_step_table_on_the_cpu():
+    text = profile_step.table("lln", True, 32, 64, "float32", "parallel", "cpu", steps=1, rows=5)
+    assert text.startswith("lln causal N=32 B=2 float32 impl parallel, 1 steps") and "aten::" in text
+
+
+@pytest.mark.slow
+def test_tune_fused_checks_and_searches_under_the_interpreter(monkeypatch):
+    """The tuner's float64 check passes and its greedy search keeps, per kernel, the best of the settings it
+    timed (here on CPU tensors, tiny shapes, one candidate a kernel)."""
+    pytest.importorskip("triton", minversion="3.9")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from linattn.ops.triton import lln_noncausal
+    from linattn_tools.benchmark import tune_fused
+
+    monkeypatch.setattr(lln_noncausal, "SPLIT_ROWS", lln_noncausal.SPLIT_ROWS)  # the search leaves its best there
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", "{}")  # and its best settings here: both restored after the test
+    monkeypatch.setattr(tune_fused, "SHAPES", ((1, 70),))
+    monkeypatch.setattr(tune_fused, "CANDIDATES", {"lln_causal_grads": [dict(num_warps=4)],
+                                                   "lln_noncausal_readout": [dict(num_warps=8)]})
+    monkeypatch.setattr(tune_fused, "SPLITS", (64,))
+    cpu = torch.device("cpu")
+    checks = tune_fused.check(torch.float16, cpu)
+    assert all(r["out"] <= r["tolerance"] and r["grads"] <= r["grad_tolerance"] for r in checks) and len(checks) == 2
+    best, rows = tune_fused.search(torch.float16, cpu, repeats=1)
+    for kernel in ("lln_causal_grads", "lln_noncausal_readout"):
+        timed = [r for r in rows if r["kernel"] == kernel]
+        assert len(timed) == 2 and best[kernel] == min(timed, key=lambda r: r["ms"])["settings"]
