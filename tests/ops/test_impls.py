@@ -1,6 +1,7 @@
 """The implementation an op's ``impl`` selects (linattn/ops/impls.py): auto = looped on the CPU, parallel elsewhere
-and under torch.compile (never fused before the kernels have run on a GPU); fused where the method has it and
-Triton imports, else parallel, and ``implementation_for`` says so; a wrong name is refused with the allowed ones."""
+and under torch.compile (never fused until it is measured ahead of parallel in both causalities); fused where the
+method has it and Triton imports, else parallel, and ``implementation_for`` says so; a wrong name is refused with the
+allowed ones."""
 import pytest
 import torch
 
