@@ -8,11 +8,15 @@ OUT="$ROOT/runs/gpu_bench"
 CAP=300
 QUICK=0
 IMPL=fused
+TUNE=0
+PROFILE=0
+DTYPES_ARG=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help)
       cat <<USAGE
-Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|parallel|auto] [--quick]
+Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|parallel|auto] [--dtypes DTYPE...]
+                                 [--tune SECONDS] [--profile] [--quick]
 
 One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward,
 median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag, LAVO causal and Skyformer with
@@ -21,26 +25,41 @@ at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1); ca
 ones with the last eighth of one sequence padded. Each (dtype, N) point runs in a process of its own, capped at
 --cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
 [DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran)
-and the worst peak memory over softmax's. --quick: the CPU, float32, N = 32 and 64, one step each (checks that
-the script runs).
+and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [both].
+--tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 check, then the launch settings of
+LLN's kernels; capped at SECONDS) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
+settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_lln*.txt, the profiler's kernel table of the
+fused LLN step at N = 4096, both causalities. --quick: the CPU, float32, N = 32 and 64, one step each (checks that
+the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about 6 minutes.
 USAGE
       exit 0 ;;
     --out) OUT="$2"; shift 2 ;;
     --cap) CAP="$2"; shift 2 ;;
     --impl) IMPL="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
+    --tune) TUNE="$2"; shift 2 ;;
+    --profile) PROFILE=1; shift ;;
+    --dtypes) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do DTYPES_ARG+=("$1"); shift; done ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 if [ "$QUICK" = 1 ]; then
   DTYPES=(float32); SIZES=(32 64); EXTRA=(--device cpu --tokens-per-step 64 --warmup 1 --repeats 1)
+  PROFILE_ARGS=(--device cpu --n 64 --tokens-per-step 64)
 else
   DTYPES=(float16 bfloat16); SIZES=(2048 4096 16384 32768); EXTRA=(--tokens-per-step 32768)
+  PROFILE_ARGS=(--n 4096 --tokens-per-step 32768)
 fi
+[ ${#DTYPES_ARG[@]} -gt 0 ] && DTYPES=("${DTYPES_ARG[@]}")
 mkdir -p "$OUT"
-rm -f "$OUT"/*.json "$OUT/targets.md"
+rm -f "$OUT"/*.json "$OUT/targets.md" "$OUT"/tune_fused.* "$OUT"/profile_*.txt
 cd "$ROOT"
 failed=()
+if [ "$TUNE" != 0 ]; then
+  timeout "$TUNE" "$PY" -m linattn_tools.benchmark.tune_fused --json "$OUT/tune_fused.json" --env "$OUT/tune_fused.env" \
+    || failed+=("tune_fused (over ${TUNE} s or a check failed: the points run LAUNCH's settings)")
+  if [ -f "$OUT/tune_fused.env" ]; then set -a; . "$OUT/tune_fused.env"; set +a; fi
+fi
 for dtype in "${DTYPES[@]}"; do
   for n in "${SIZES[@]}"; do
     if ! timeout "$CAP" "$PY" -m linattn_tools.benchmark.targets --n "$n" --dtype "$dtype" --impl "$IMPL" \
@@ -49,8 +68,15 @@ for dtype in "${DTYPES[@]}"; do
     fi
   done
 done
+if [ "$PROFILE" = 1 ]; then
+  for causal in "" --causal; do
+    timeout "$CAP" "$PY" -m linattn_tools.benchmark.profile_step --method lln $causal "${PROFILE_ARGS[@]}" \
+      --impl "$IMPL" --dtype "${DTYPES[0]}" --out "$OUT/profile_lln${causal:+_causal}.txt" >/dev/null \
+      || failed+=("profile lln $causal")
+  done
+fi
 shopt -s nullglob
-points=("$OUT"/*.json)
+points=("$OUT"/[fb]*_[0-9]*.json)
 [ ${#points[@]} -gt 0 ] || { echo "gpu_bench.sh: no point finished" >&2; exit 1; }
 "$PY" -m linattn_tools.benchmark.targets --render "${points[@]}" | tee "$OUT/targets.md"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -27,17 +27,19 @@ from .cli import write_json
 
 # (B, N) at 32K tokens a step, H = 12, D = Dv = 64 (the targets' shapes, docs/design.md §1.3)
 SHAPES = ((8, 4096), (1, 32768))
+TF32 = dict(TF32=True)  # the unbounded operands' products on tensor cores (kept only where the check passes)
 CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "lln_key_max": [dict(num_warps=w) for w in (2, 8)],
     "lln_causal_states": [dict(BF=f, num_warps=w, num_stages=2) for f in (16, 32) for w in (2, 4)],
-    "lln_causal_outputs": [dict(num_warps=w, num_stages=s) for w, s in ((8, 1), (4, 2))],
-    "lln_causal_grad_states": [dict(BF=f, num_warps=w, num_stages=2) for f in (16, 32) for w in (2, 4)],
-    "lln_causal_grads": [dict(num_warps=w, num_stages=s) for w, s in ((4, 1), (8, 2))],
-    "lln_noncausal_state": [dict(num_warps=w, num_stages=s) for w, s in ((8, 2), (4, 3))],
-    "lln_noncausal_readout": [dict(num_warps=8)],
-    "lln_noncausal_state_grad": [dict(num_warps=w, num_stages=s) for w, s in ((8, 2), (4, 3))],
-    "lln_noncausal_rows_grad": [dict(num_warps=4)],
+    "lln_causal_outputs": [dict(num_warps=8), TF32, dict(num_warps=8, **TF32)],
+    "lln_causal_grad_states": [dict(BF=32, num_warps=4), TF32, dict(BF=32, num_warps=4, **TF32)],
+    "lln_causal_grads": [dict(num_warps=4), dict(num_warps=8, num_stages=2), TF32, dict(num_warps=4, **TF32)],
+    "lln_noncausal_state": [dict(num_warps=8), dict(num_stages=3)],
+    "lln_noncausal_readout": [dict(num_warps=8), TF32],
+    "lln_noncausal_state_grad": [dict(num_warps=4), TF32, dict(num_stages=3, **TF32)],
+    "lln_noncausal_rows_grad": [dict(num_warps=4), TF32, dict(num_warps=4, **TF32)],
 }
+CHECK_N = 1000  # the length of ``check``: odd chunks (C = 64), several non-causal splits of 64 rows
 SPLITS = (512, 1024, 2048)  # lln_noncausal.SPLIT_ROWS: rows a program of the non-causal reductions sums
 
 
@@ -54,12 +56,12 @@ def call(q, k, v, alpha, beta, causal: bool, mask=None, impl: str = "fused"):
 
 
 def check(dtype, device) -> List[dict]:
-    """Forward and input gradients against the float64 reference at N = 1000 (padding on the right, one
-    sequence), both causalities: relative errors and the tolerance of ``linattn/tolerances.py``."""
+    """Forward and input gradients against the float64 reference at N = CHECK_N (the second sequence's last eighth
+    padded), both causalities: relative errors and the tolerance of ``linattn/tolerances.py``."""
     rows = []
-    q, k, v, grad, alpha, beta = inputs(2, 1000, dtype, device, heads=4)
-    mask = torch.zeros(2, 1000, dtype=torch.bool, device=device)
-    mask[1, 877:] = True
+    q, k, v, grad, alpha, beta = inputs(2, CHECK_N, dtype, device, heads=4)
+    mask = torch.zeros(2, CHECK_N, dtype=torch.bool, device=device)
+    mask[1, CHECK_N - CHECK_N // 8:] = True
     for causal in (False, True):
         m = None if causal else mask
         out = call(q, k, v, alpha, beta, causal, m)
@@ -85,32 +87,51 @@ def op_seconds(causal: bool, dtype, device, repeats: int) -> float:
             mask = torch.zeros(b, n, dtype=torch.bool, device=device)
             mask[-1, n - n // 8:] = True
         run = lambda: torch.autograd.grad(call(q, k, v, alpha, beta, causal, mask), (q, k, v), grad)  # noqa: E731
-        for _ in range(3):
+        for _ in range(2):
             run()
         total += statistics.median(measure.elapsed_seconds(run, device) for _ in range(repeats))
     return total
 
 
-def search(dtype, device, repeats: int) -> Tuple[Dict[str, dict], List[dict]]:
-    """Greedy: each kernel's candidates with the others at their best so far ({kernel: settings}, as
-    ``LINATTN_TRITON_LAUNCH`` takes it); then ``lln_noncausal.SPLIT_ROWS`` (left at its best)."""
+def accurate(device) -> bool:
+    """Whether the settings in force pass ``check`` in fp16 and bf16."""
+    return all(r["out"] <= r["tolerance"] and r["grads"] <= r["grad_tolerance"]
+               for dtype in (torch.float16, torch.bfloat16) for r in check(dtype, device))
+
+
+def search(dtype, device, repeats: int, kernels=None, on_best=None) -> Tuple[Dict[str, dict], List[dict]]:
+    """Greedy: each kernel's candidates (``kernels``: some) with the others at their best so far ({kernel: settings},
+    as ``LINATTN_TRITON_LAUNCH`` takes it), a candidate that fails ``check`` left out; then
+    ``lln_noncausal.SPLIT_ROWS`` (left at its best). ``on_best(best)`` after each kernel: a run stopped by its time
+    limit keeps what it found."""
     best: Dict[str, dict] = {}
     rows = []
     for kernel, candidates in CANDIDATES.items():
+        if kernels and kernel not in kernels:
+            continue
         causal = "noncausal" not in kernel
         results = []
         for settings in [dict(common.LAUNCH[kernel])] + candidates:
             os.environ["LINATTN_TRITON_LAUNCH"] = json.dumps({**best, kernel: settings})
             try:
+                if not accurate(device):
+                    print(f"{kernel} {settings}: outside the tolerances, left out", flush=True)
+                    rows.append({"kernel": kernel, "settings": settings, "ms": None, "accurate": False})
+                    continue
                 seconds = op_seconds(causal, dtype, device, repeats)
             except Exception as exc:  # a setting the compiler refuses (registers, shared memory)
                 print(f"{kernel} {settings}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
             results.append((seconds, settings))
-            rows.append({"kernel": kernel, "settings": settings, "ms": seconds * 1e3})
+            rows.append({"kernel": kernel, "settings": settings, "ms": seconds * 1e3, "accurate": True})
             print(f"{kernel:26s} {json.dumps(settings):55s} {seconds * 1e3:8.3f} ms", flush=True)
-        best[kernel] = min(results, key=lambda r: r[0])[1]
+        if results:
+            best[kernel] = min(results, key=lambda r: r[0])[1]
+            if on_best:
+                on_best(best)
     os.environ["LINATTN_TRITON_LAUNCH"] = json.dumps(best)
+    if kernels and "SPLIT_ROWS" not in kernels:
+        return best, rows
     results = []
     for split in SPLITS:
         lln_noncausal.SPLIT_ROWS = split
@@ -125,8 +146,10 @@ def search(dtype, device, repeats: int) -> Tuple[Dict[str, dict], List[dict]]:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--check-only", action="store_true", help="the reference check, no search")
+    p.add_argument("--kernels", nargs="+", default=None, choices=list(CANDIDATES) + ["SPLIT_ROWS"],
+                   help="search only these (default: every kernel, then SPLIT_ROWS)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--env", type=Path, default=None, help="write LINATTN_TRITON_LAUNCH='<best>' here (sh syntax)")
     args = p.parse_args(argv)
@@ -143,12 +166,14 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{'PASS' if ok else 'FAIL'}", flush=True)
     res = {"machine": measure.machine_info(device), "dtype": args.dtype, "shapes": SHAPES, "checks": checks}
     if not args.check_only:
-        res["best"], res["rows"] = search(dtype, device, args.repeats)
+        def keep(best):
+            if args.env:
+                args.env.parent.mkdir(parents=True, exist_ok=True)
+                args.env.write_text(f"LINATTN_TRITON_LAUNCH='{json.dumps(best)}'\n")
+
+        res["best"], res["rows"] = search(dtype, device, args.repeats, args.kernels, on_best=keep)
         res["split_rows"] = lln_noncausal.SPLIT_ROWS
         print("best:", json.dumps(res["best"]), "SPLIT_ROWS", res["split_rows"])
-        if args.env:
-            args.env.parent.mkdir(parents=True, exist_ok=True)
-            args.env.write_text(f"LINATTN_TRITON_LAUNCH='{json.dumps(res['best'])}'\n")
     if args.json:
         write_json(args.json, res)
     return 0 if all(r["out"] <= r["tolerance"] and r["grads"] <= r["grad_tolerance"] for r in checks) else 1

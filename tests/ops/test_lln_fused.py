@@ -3,6 +3,7 @@ interpreter on CPU tensors: forward and input gradients against the float64 refe
 ``linattn/tolerances.py``, padding left and right, odd lengths, both causalities, fp16 and bf16, alpha != beta; the
 causal leak test (exact); the meta device; one custom op each way per call, for the op counter and
 ``torch.compile``."""
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,29 @@ def test_fused_with_whole_chunks_of_padding(gen, causal):
     mask = torch.zeros(2, 19, dtype=torch.bool)
     mask[1, :17] = True  # the first two chunks of the second sequence hold no key
     check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_with_tf32_products_matches_the_reference(gen, monkeypatch, dtype, causal):
+    """``TF32`` (``triton/common.LAUNCH``, a tuning choice): the unbounded operands' products rounded to tf32 (under
+    the interpreter as the tensor cores round them) stay within the tolerances, and the rounding is applied: the
+    output or a gradient differs from the exact products'."""
+    from linattn.ops.triton.common import LAUNCH
+
+    q, k, v = inputs(gen, DTYPES[dtype], 19)
+    mask = padding_mask(2, 19, "left", gen)
+    grad = torch.randn(2, 2, 19, 12, generator=gen).to(DTYPES[dtype])
+
+    def values():
+        out = run(q, k, v, "fused", causal=causal, mask=mask)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    exact = values()
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({name: {"TF32": True} for name, settings in LAUNCH.items()
+                                                            if "TF32" in settings}))
+    check_against_reference(gen, q, k, v, dtype, causal=causal, mask=mask)
+    assert any(not torch.equal(a, b) for a, b in zip(values(), exact))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -173,8 +197,9 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=64)),
                (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=64)),
                (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True))]
-    for kernel, key, consts in kernels:
-        settings = launch(key, d)
+    for (kernel, key, consts), tf32 in [(k, False) for k in kernels] + [(k, True) for k in kernels if name == "fp16"
+                                                                       and d == 64 and "WIDE" in launch(k[1], d)]:
+        settings = {**launch(key, d), **({"WIDE": 1} if tf32 else {})}
         params = inspect.signature(kernel.fn).parameters
         consts = {p: v for p, v in {**sizes, **consts, **settings}.items() if p in params}
         half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
@@ -184,20 +209,20 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, d, compiled.metadata.shared)
-        print(name, d, kernel.fn.__name__, compiled.metadata.shared, flush=True)
+        print(name, d, kernel.fn.__name__, "tf32" if tf32 else "", compiled.metadata.shared, flush=True)
 """
 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     """Without a GPU: each kernel through Triton's whole pipeline to an sm_90 binary (its bundled ptxas), fp16 at
-    D = Dv = 64 and 128, bf16 at 64, within an H100's shared memory per block (the interpreter checks no GPU rule);
-    minutes on 2 cores without Triton's cache."""
+    D = Dv = 64 and 128, bf16 at 64 (and fp16 at 64 with tf32 products), within an H100's shared memory per block
+    (the interpreter checks no GPU rule); minutes on 2 cores without Triton's cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 27
+    assert len(run.stdout.splitlines()) == 33  # 9 kernels x 3, 6 with tf32
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

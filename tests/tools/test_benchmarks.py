@@ -325,9 +325,11 @@ def test_attention_benchmark_fused_in_half_names_the_implementation_each_op_ran(
 
 @pytest.mark.slow
 def test_gpu_bench_script_quick_writes_every_point_and_the_targets_table(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=ENV)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--quick", "--profile", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["float32_32.json", "float32_64.json"]
+    for name in ("profile_lln.txt", "profile_lln_causal.txt"):
+        assert "Self CPU" in (tmp_path / name).read_text()
     table = (tmp_path / "targets.md").read_text()
     assert "| lln causal |" in table and "| skyformer |" in table and "SDPA" in proc.stdout

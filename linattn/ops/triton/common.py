@@ -14,26 +14,31 @@ import triton.language as tl
 HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dtypes the kernels take
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
-# Launch settings per kernel (warps, pipeline stages, BF: features per program of a walk over the chunks), from
+# Launch settings per kernel (warps, pipeline stages, BF: features per program of a walk over the chunks, TF32: the
+# products of unbounded fp32 operands on tensor cores in tf32 instead of exact fp32 FMAs; ``wide_dot``), from
 # ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
 # on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, num_warps=4, num_stages=2),
-          "lln_causal_outputs": dict(num_warps=4, num_stages=1),
-          "lln_causal_grad_states": dict(BF=16, num_warps=4, num_stages=2),
-          "lln_causal_grads": dict(num_warps=8, num_stages=1),
+          "lln_causal_outputs": dict(num_warps=4, num_stages=1, TF32=False),
+          "lln_causal_grad_states": dict(BF=16, num_warps=4, num_stages=2, TF32=False),
+          "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=False),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=4, num_stages=1),
-          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
-          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1)}
+          "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=False),
+          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=False),
+          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=False)}
 
 
 def launch(kernel: str, d: int) -> dict:
-    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d: BF at most d's block."""
+    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d: BF at most d's block; TF32 as the
+    kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 2 tf32 emulated under Triton's interpreter)."""
     settings = {**LAUNCH[kernel], **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
+    if "TF32" in settings:
+        tf32 = settings.pop("TF32")
+        settings["WIDE"] = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if tf32 else 0
     return settings
 
 
@@ -58,3 +63,23 @@ def half_dot(a, b, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def wide_dot(a, b, WIDE: tl.constexpr):
+    """a (M,K) @ b (K,N) of unbounded fp32 operands (output gradients, states) in fp32: WIDE 0, exact products (FMA
+    units); 1, both rounded to tf32 (10-bit mantissa, fp32's range) on tensor cores; 2, the same rounding under the
+    interpreter (which multiplies a tf32 ``tl.dot`` in fp32), the rounded products exact in fp32."""
+    if WIDE == 1:
+        return tl.dot(a, b, input_precision="tf32")
+    if WIDE == 2:
+        return tl.dot(_round_tf32(a), _round_tf32(b), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _round_tf32(x):
+    """fp32 x rounded to tf32's 10-bit mantissa (to nearest, ties away from zero, as PTX's cvt.rna.tf32; a tensor
+    core fed raw fp32 drops the low bits instead: at most one tf32 ulp apart)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)

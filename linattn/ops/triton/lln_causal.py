@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
 from .lln_key_max import key_block_max
 
 
@@ -66,7 +66,7 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, H, N, D, DV
 @triton.jit
 def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
              den_ptr, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-             HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
+             HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
     shifts g, rho, lse (C,)."""
     c = tl.program_id(0)
@@ -105,7 +105,7 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
     vv = tl.load(v_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & eok[None, :], other=0.0)
     r = tl.exp(-rho)
-    o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * tl.dot(fq, s, input_precision="ieee")
+    o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * wide_dot(fq, s, WIDE)
     den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
     tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], (o / den[:, None]).to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & eok[None, :])

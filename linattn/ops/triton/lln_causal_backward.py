@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, emulate_half_dot, half_dot, launch
+from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV: t
 
 @triton.jit
 def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, scale, N,
-                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr):
+                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One head, features BF*j .. BF*(j+1): stores G_c of every chunk into gs (NC, D, DV+1), from the last."""
     pid = tl.program_id(0)
     i = tl.arange(0, BC)
@@ -64,7 +64,7 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
         # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
         decay = tl.exp(tl.minimum(mp - mi, 0.0))
-        gv = gv * decay[:, None] + tl.dot(tl.trans(fqr), go, input_precision="ieee")
+        gv = gv * decay[:, None] + wide_dot(tl.trans(fqr), go, WIDE)
         gz = gz * decay + tl.sum(fqr * goz[:, None], 0)
 
 
@@ -72,7 +72,7 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
 def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
            rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, dv_ptr, scale, H, N, D, DV, NC, C, BC: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-           HAS_MASK: tl.constexpr):
+           HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
@@ -110,20 +110,20 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     state = s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
     sv = tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
     sz = tl.load(state + DV, mask=dok, other=0.0)
-    dfq = r[:, None] * (tl.dot(go, tl.trans(sv), input_precision="ieee") + goz[:, None] * sz[None, :])
+    dfq = r[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-    dqk = tl.where(causal, (tl.dot(go, tl.trans(vf), input_precision="ieee") + goz[:, None]) * ex, 0.0)
-    dfq += tl.dot(dqk, fk, input_precision="ieee")
+    dqk = tl.where(causal, (wide_dot(go, tl.trans(vf), WIDE) + goz[:, None]) * ex, 0.0)
+    dfq += wide_dot(dqk, fk, WIDE)
     w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
     # the keys' part through the later chunks' queries: G_c
     gstate = gs_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
     gv = tl.load(gstate[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
     gz = tl.load(gstate + DV, mask=dok, other=0.0)
-    dv = tl.dot(tl.trans(w), go, input_precision="ieee") + tl.dot(fki, gv, input_precision="ieee")
-    dbk = tl.dot(tl.trans(dqk), fq, input_precision="ieee") * fk + (
-        tl.dot(vf, tl.trans(gv), input_precision="ieee") + gz[None, :]) * fki
+    dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
+    dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk + (
+        wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki
     tl.store(dq_ptr + pid * N * D + at, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
     tl.store(dk_ptr + pid * N * D + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
     tl.store(dv_ptr + pid * N * DV + ate, dv.to(dv_ptr.dtype.element_ty), mask=re)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
 from .lln_key_max import key_block_max
 
 # Both read at call time, here and by the backward (lln_noncausal_backward.py); SPLIT_ROWS a multiple of ROWS.
@@ -56,7 +56,7 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, H, S, SPLIT, D, DV
 
 @triton.jit
 def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, N, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr):
+             BDV: tl.constexpr, WIDE: tl.constexpr):
     """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -73,7 +73,7 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, N, D, DV, BLOCK: 
     s = tl.load(base + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0)
     z = tl.load(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, mask=d < D, other=0.0)
     den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
-    o = tl.dot(fq, s, input_precision="ieee") / den[:, None]
+    o = wide_dot(fq, s, WIDE) / den[:, None]
     tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], o.to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & (e[None, :] < DV))
     tl.store(den_ptr + pid * N + rows, den, mask=ok)

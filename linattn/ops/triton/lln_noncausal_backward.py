@@ -17,12 +17,12 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, launch
+from .common import block, launch, wide_dot
 
 
 @triton.jit
 def _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD: tl.constexpr,
-                 BDV: tl.constexpr):
+                 BDV: tl.constexpr, WIDE: tl.constexpr):
     """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows."""
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -32,7 +32,7 @@ def _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D,
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))
     fq = tl.where(ok[:, None], tl.exp(a - tl.max(a, 1)[:, None]), 0.0)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # clamped to >= TINY by the forward
-    out = tl.dot(fq, sv, input_precision="ieee") / den[:, None]
+    out = wide_dot(fq, sv, WIDE) / den[:, None]
     gr = tl.load(grad_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & (e[None, :] < DV),
                  other=0.0).to(tl.float32)
     return fq, gr * (scale / den)[:, None], -tl.sum(gr * out, 1) * (scale / den)
@@ -50,7 +50,7 @@ def _state(s_ptr, pid, D, DV, BD: tl.constexpr, BDV: tl.constexpr):
 
 @triton.jit
 def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
-                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
@@ -64,8 +64,8 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, sca
     end = tl.minimum(first + SPLIT, N)
     for start in range(first, end, BLOCK):
         fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, start + tl.arange(0, BLOCK), N,
-                                   D, DV, BD, BDV)  # rows < end: SPLIT is a multiple of BLOCK
-        dsv += tl.dot(tl.trans(fq), go, input_precision="ieee")
+                                   D, DV, BD, BDV, WIDE)  # rows < end: SPLIT is a multiple of BLOCK
+        dsv += wide_dot(tl.trans(fq), go, WIDE)
         dsz += tl.sum(fq * goz[:, None], 0)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * D * (DV + 1)  # part (B, H, splits, D, DV+1)
     tl.store(at + d[:, None] * (DV + 1) + e[None, :], dsv, mask=(d[:, None] < D) & (e[None, :] < DV))
@@ -75,7 +75,7 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, sca
 @triton.jit
 def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr, dq_ptr,
                dk_ptr, dv_ptr, scale, H, N, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-               HAS_MASK: tl.constexpr):
+               HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
     the inputs' dtype)."""
     pid = tl.program_id(0)
@@ -85,8 +85,8 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     sv, sz = _state(s_ptr, pid, D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
-    fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD, BDV)
-    dq = (tl.dot(go, tl.trans(sv), input_precision="ieee") + goz[:, None] * sz[None, :]) * fq * alpha
+    fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD, BDV, WIDE)
+    dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
     tl.store(dq_ptr + pid * N * D + rows[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (d[None, :] < D))
     ok = rows < S
@@ -99,10 +99,10 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     dsv, dsz = _state(ds_ptr, pid, D, DV, BD, BDV)
     at = rows[:, None] * DV + e[None, :]
     vv = tl.load(v_ptr + pid * S * DV + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
-    dk = (tl.dot(vv, tl.trans(dsv), input_precision="ieee") + dsz[None, :]) * fk * beta
+    dk = (wide_dot(vv, tl.trans(dsv), WIDE) + dsz[None, :]) * fk * beta
     inside = (rows[:, None] < S) & (d[None, :] < D)
     tl.store(dk_ptr + pid * S * D + rows[:, None] * D + d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=inside)
-    tl.store(dv_ptr + pid * S * DV + at, tl.dot(fk, dsv, input_precision="ieee").to(dv_ptr.dtype.element_ty),
+    tl.store(dv_ptr + pid * S * DV + at, wide_dot(fk, dsv, WIDE).to(dv_ptr.dtype.element_ty),
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
 
