@@ -54,7 +54,11 @@ def test_implementation_for_names_the_fallback_of_fused(monkeypatch):
     assert implementation_for("lln", "fused", half, chunk=256) == "parallel"  # C×C held in registers: C <= 128
     assert implementation_for("lln", "fused", half, half.new_empty(1, 1, 4, 8, dtype=torch.bfloat16)) == "parallel"
     assert implementation_for("lavo", "fused", half) == "parallel"  # no lavo/fused.py
-    assert implementation_for("lln_diag", "fused", half) == "parallel"  # LLN+Diag has no table of its own
+    assert implementation_for("lln_diag", "fused", half) == "fused"  # both parts' kernels take it
+    assert implementation_for("lln_diag", "fused", half, chunk=256) == "parallel"  # LLN's kernels do not
+    assert implementation_for("lln_diag", "fused", half, block=256) == "parallel"  # the block softmax's do not
+    assert implementation_for("block_softmax", "fused", half, block=128) == "fused"
+    assert implementation_for("block_softmax", "fused", half.float()) == "parallel"
     assert implementation_for("softmax", "fused", half) == "only"  # SDPA: one implementation
     assert implementation_for("lln", "auto", torch.empty(1, 1, 4, 64, dtype=torch.float16)) == "looped"
 

@@ -180,7 +180,8 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from linattn.ops.triton import lln_causal, lln_causal_backward, lln_key_max, lln_noncausal, lln_noncausal_backward
+from linattn.ops.triton import (block_softmax, lln_causal, lln_causal_backward, lln_key_max, lln_noncausal,
+                                lln_noncausal_backward)
 from linattn.ops.triton.common import launch
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
@@ -196,15 +197,20 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                                                                   HAS_MASK=True)),
                (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=64)),
                (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=64)),
-               (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True))]
+               (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True)),
+               (block_softmax._forward, "block_softmax", dict(BB=64, HALF_TY=half, EMULATE=False, CAUSAL=True,
+                                                              HAS_MASK=True, AVERAGE=True)),
+               (block_softmax._backward, "block_softmax_backward", dict(BB=64, HALF_TY=half, EMULATE=False,
+                                                                        CAUSAL=True, HAS_MASK=True))]
     for (kernel, key, consts), tf32 in [(k, False) for k in kernels] + [(k, True) for k in kernels if name == "fp16"
                                                                        and d == 64 and "WIDE" in launch(k[1], d)]:
         settings = {**launch(key, d), **({"WIDE": 1} if tf32 else {})}
         params = inspect.signature(kernel.fn).parameters
         consts = {p: v for p, v in {**sizes, **consts, **settings}.items() if p in params}
-        half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+        half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr") + (
+            () if key == "block_softmax_backward" else ("dq_ptr", "dk_ptr", "dv_ptr"))  # its gradients are fp32
         types = {p: "constexpr" if p in consts else ("*" + name if p in half_ptrs else "*u8" if p == "mask_ptr" else
-                 "*fp32" if p.endswith("_ptr") else "fp32" if p == "scale" else "i32") for p in params}
+                 "*fp32" if p.endswith("_ptr") else "fp32" if p in ("scale", "sm_scale") else "i32") for p in params}
         options = {k: settings[k] for k in ("num_warps", "num_stages")}
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
@@ -222,7 +228,7 @@ def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 33  # 9 kernels x 3, 6 with tf32
+    assert len(run.stdout.splitlines()) == 40  # 11 kernels x 3, 7 with tf32
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

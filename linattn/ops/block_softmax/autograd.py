@@ -4,19 +4,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import resolve_impl
-from ..inputs import check_qkv
+from ..impls import implementation_for
+from ..inputs import check_positive_int, check_qkv
 from ..precision import autocast_off, function_output
-from . import looped, parallel
+from . import fused, looped, parallel
 from .inputs import BlockInputs, block_inputs
 
-IMPLEMENTATIONS = {"looped": looped, "parallel": parallel}
+IMPLEMENTATIONS = {"looped": looped, "parallel": parallel, "fused": fused}
 
 
 class _BlockSoftmax(torch.autograd.Function):
     """Block-diagonal softmax with a hand-written backward that recomputes the probabilities, in the implementation
     named first, over the fields of ``BlockInputs`` (``looped`` receives q, k, v in the compute dtype, ``parallel``
-    in their own dtype). Saves only the inputs."""
+    and ``fused`` in their own dtype). Saves only the inputs."""
 
     @staticmethod
     def forward(ctx, impl: str, *inputs):
@@ -45,6 +45,7 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
     (bs, bs) probabilities at once (``parallel``).
     """
     check_qkv(q, k, v)
-    impl = resolve_impl(impl, q.device)
+    block = min(check_positive_int("block_size", block_size), q.shape[2])
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, block=block)  # fused: inputs its kernels take
     x = block_inputs(q, k, v, key_padding_mask, block_size, causal, impl)
     return _BlockSoftmax.apply(impl, *x).to(q.dtype)

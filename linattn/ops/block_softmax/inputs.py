@@ -1,4 +1,5 @@
-"""Block softmax's validated inputs, as every implementation (``looped.py``, ``parallel.py``) receives them."""
+"""Block softmax's validated inputs, as every implementation (``looped.py``, ``parallel.py``, ``fused.py``)
+receives them."""
 from typing import NamedTuple, Optional
 
 import torch
@@ -23,11 +24,14 @@ class BlockInputs(NamedTuple):
 def block_inputs(q, k, v, key_padding_mask, block_size: int, causal: bool, impl: str) -> BlockInputs:
     """Validated inputs for the implementation ``impl`` (q, k, v checked by the caller): ``looped`` gets q, k, v in
     the compute dtype and as mask the visible keys (B|1,nb*bs); ``parallel`` gets them in their own dtype and as
-    mask the hidden keys (B|1,1,nb,bs|1,bs), causality included."""
+    mask the hidden keys (B|1,1,nb,bs|1,bs), causality included; ``fused`` in their own dtype with the key padding
+    mask (B,N) as given (the kernel forms the rest)."""
     block_size = check_positive_int("block_size", block_size)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     n = q.shape[2]
     bs = min(block_size, n)
+    if impl == "fused":
+        return BlockInputs(q, k, v, key_padding_mask, causal, bs)
     valid = _visible_keys(key_padding_mask, n, bs, q.device)
     if impl == "parallel":
         return BlockInputs(q, k, v, _hidden_keys(valid, bs, causal, q.device), causal, bs)

@@ -6,13 +6,18 @@ from torch import Tensor
 
 from ..block_softmax.autograd import IMPLEMENTATIONS as BLOCK_IMPLEMENTATIONS
 from ..block_softmax.autograd import block_softmax_attention
-from ..impls import resolve_impl
+from ..impls import BASE, implementation_for
+from ..inputs import check_positive_int
 from ..lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 from ..lln.autograd import lln_attention
 from ..lln.inputs import lln_inputs
 from ..precision import autocast_off, function_output
+from . import fused
 from .inputs import LLNDiagInputs, lln_diag_inputs
 from .mixing import mix_lln_diag
+
+# the parts' implementations of each name run (LLN's and the block softmax's tables); fused where both take the inputs
+IMPLEMENTATIONS = {**dict.fromkeys(BASE), "fused": fused}
 
 
 class _LLNDiagAverage(torch.autograd.Function):
@@ -52,7 +57,10 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     """
     learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
     if mix == "average" and not learnt:
-        impl = resolve_impl(impl, q.device)
+        n = q.shape[2]
+        sizes = dict(chunk=min(check_positive_int("chunk_size", chunk_size), n),
+                     block=min(check_positive_int("block_size", block_size), n))
+        impl = implementation_for(IMPLEMENTATIONS, impl, q, v, **sizes)  # fused: inputs both parts' kernels take
         x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
         return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, impl)).to(q.dtype)
     lln = lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask,

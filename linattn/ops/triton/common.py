@@ -27,7 +27,9 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
           "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=False),
           "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=False),
-          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=False)}
+          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=False),
+          "block_softmax": dict(num_warps=4, num_stages=1),
+          "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=False)}
 
 
 def launch(kernel: str, d: int) -> dict:

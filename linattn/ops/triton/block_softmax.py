@@ -1,0 +1,135 @@
+"""Block-diagonal softmax attention (LLN §4.2's Diag part), the custom ops ``linattn::block_softmax`` and
+``linattn::block_softmax_backward``: one program per block of one head, its (bs, bs) scores in registers.
+
+Forward: P = softmax(q kᵀ / sqrt(D)) over the keys of the query's own block that it may see (not padded, before the
+end, not later if causal), 0 on a row that sees none; out = P v, or 0.5 (average_with + P v) (LLN+Diag's average).
+Backward, P recomputed: dP = g vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)) / sqrt(D), dq = dS k, dk = dSᵀ q, dv = Pᵀ g, all
+times ``scale``. q kᵀ and g vᵀ multiply half inputs, P v and Pᵀ g a product ≤ 1 with half values: tensor cores with
+fp32 accumulation; dS is unbounded, so its products are ``wide_dot``'s (fp32, or tf32 as ``LAUNCH`` sets).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
+
+
+@triton.jit
+def _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr, BD: tl.constexpr,
+           HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB)."""
+    i = tl.arange(0, BB)
+    d = tl.arange(0, BD)
+    rows = blk * BS + i
+    ok = (i < BS) & (rows < N)
+    key_ok = ok
+    if HAS_MASK:
+        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    at = pid * N * D + rows[:, None] * D + d[None, :]
+    qq = tl.load(q_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    kk = tl.load(k_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    visible = key_ok[None, :] & ok[:, None]
+    if CAUSAL:
+        visible = visible & (i[None, :] <= i[:, None])
+    s = tl.where(visible, half_dot(qq, tl.trans(kk), HALF_TY, EMULATE) * sm_scale, float("-inf"))
+    top = tl.max(s, 1)
+    e = tl.exp(s - tl.where(top == float("-inf"), 0.0, top)[:, None])  # exp(-inf) = 0 on hidden keys
+    p = e / tl.maximum(tl.sum(e, 1), TINY)[:, None]  # a row that sees no key: 0
+    return rows, ok, qq.to(tl.float32), kk.to(tl.float32), p
+
+
+@triton.jit
+def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, H, N, D, DV, BS, sm_scale, BB: tl.constexpr,
+             BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr):
+    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v)."""
+    blk = tl.program_id(0)
+    pid = tl.program_id(1)
+    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB, BD, HALF_TY, EMULATE,
+                               CAUSAL, HAS_MASK)
+    e = tl.arange(0, BDV)
+    at = pid * N * DV + rows[:, None] * DV + e[None, :]
+    inside = ok[:, None] & (e[None, :] < DV)
+    vv = tl.load(v_ptr + at, mask=inside, other=0.0)
+    o = half_dot(p, vv, HALF_TY, EMULATE)
+    if AVERAGE:
+        o = 0.5 * (tl.load(avg_ptr + at, mask=inside, other=0.0) + o)
+    tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, dq_ptr, dk_ptr, dv_ptr, H, N, D, DV, BS, sm_scale, scale,
+              BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
+    """One block of one head: dq, dk (BS, D), dv (BS, DV) in fp32, of ``scale`` x block softmax."""
+    blk = tl.program_id(0)
+    pid = tl.program_id(1)
+    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB, BD, HALF_TY, EMULATE,
+                                 CAUSAL, HAS_MASK)
+    d = tl.arange(0, BD)
+    e = tl.arange(0, BDV)
+    ate = pid * N * DV + rows[:, None] * DV + e[None, :]
+    inside = ok[:, None] & (e[None, :] < DV)
+    vv = tl.load(v_ptr + ate, mask=inside, other=0.0)
+    gg = tl.load(grad_ptr + ate, mask=inside, other=0.0)
+    dp = half_dot(gg, tl.trans(vv), HALF_TY, EMULATE)
+    ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * (sm_scale * scale)
+    atd = pid * N * D + rows[:, None] * D + d[None, :]
+    inside_d = ok[:, None] & (d[None, :] < D)
+    tl.store(dq_ptr + atd, wide_dot(ds, kk, WIDE), mask=inside_d)
+    tl.store(dk_ptr + atd, wide_dot(tl.trans(ds), qq, WIDE), mask=inside_d)
+    tl.store(dv_ptr + ate, half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale, mask=inside)
+
+
+@torch.library.custom_op("linattn::block_softmax", mutates_args=())
+def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block_size: int, causal: bool,
+                  average_with: Optional[Tensor]) -> Tensor:
+    """q, k (B,H,N,D), v (B,H,N,Dv) half; mask (B,N) True = padded key, or None; ``block_size`` rows a block (<= N);
+    ``average_with`` (B,H,N,Dv) fp32 or None -> block softmax (B,H,N,Dv), or 0.5 (average_with + it), q's dtype."""
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    out = q.new_empty((b, h, n, dv))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    avg = out if average_with is None else average_with.contiguous()
+    _forward[(triton.cdiv(n, block_size), b * h)](
+        q, k, v, mask_u8, avg, out, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size), BD=block(d),
+        BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
+        HAS_MASK=mask is not None, AVERAGE=average_with is not None, **launch("block_softmax", d))
+    return out
+
+
+@block_softmax.register_fake
+def _(q, k, v, mask, block_size, causal, average_with):
+    return q.new_empty(q.shape[:3] + v.shape[3:])
+
+
+@torch.library.custom_op("linattn::block_softmax_backward", mutates_args=())
+def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor], block_size: int,
+                           causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in fp32 of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype)."""
+    b, h, n, d = q.shape
+    dv_dim = v.shape[-1]
+    dq, dk, dv = _empty_grads(q, v)
+    q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.to(q.dtype).contiguous()
+    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    _backward[(triton.cdiv(n, block_size), b * h)](
+        q, k, v, grad, mask_u8, dq, dk, dv, h, n, d, dv_dim, block_size, 1 / math.sqrt(d), float(scale),
+        BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
+        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None,
+        **launch("block_softmax_backward", d))
+    return dq, dk, dv
+
+
+@block_softmax_backward.register_fake
+def _(q, k, v, grad, mask, block_size, causal, scale):
+    return _empty_grads(q, v)
+
+
+def _empty_grads(q: Tensor, v: Tensor):
+    f32 = dict(dtype=torch.float32)
+    return q.new_empty(q.shape, **f32), q.new_empty(q.shape, **f32), v.new_empty(v.shape, **f32)

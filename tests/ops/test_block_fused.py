@@ -1,0 +1,93 @@
+"""Block softmax's and LLN+Diag's fused implementations (``block_softmax/fused.py``, ``lln_diag/fused.py``; kernel
+``linattn/ops/triton/block_softmax.py``) run by Triton's interpreter on CPU tensors: forward and input gradients
+against the float64 references within ``linattn/tolerances.py`` (the softmax's row for the block part), blocks of 8
+with a shorter last one, padding left and right (whole blocks of it: rows that see no key give 0), both
+causalities, fp16 and bf16; the causal leak test; the meta device; one custom op each way."""
+import pytest
+import torch
+from helpers import padding_mask, rel_err
+
+from linattn import ops
+from linattn.ops.impls import implementation_for
+from linattn.profiling.dispatch import count_dispatch
+from linattn.tolerances import tolerance
+
+pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+ALPHA = torch.tensor([1.3, 0.7]).view(1, 2, 1, 1)  # per head, and != beta
+BETA = 0.9
+
+
+def inputs(gen, dtype, n, d=20, dv=12):
+    return [(torch.randn(2, 2, n, w, generator=gen)).to(dtype).requires_grad_() for w in (d, d, dv)]
+
+
+def block(q, k, v, impl, *, causal, mask):
+    return ops.block_softmax_attention(q, k, v, block_size=8, causal=causal, key_padding_mask=mask, impl=impl)
+
+
+def lln_diag(q, k, v, impl, *, causal, mask):
+    return ops.lln_diag_attention(q, k, v, ALPHA, BETA, block_size=8, chunk_size=8, causal=causal,
+                                  key_padding_mask=mask, impl=impl)
+
+
+def references(q, k, v, *, causal, mask):
+    return {"block": lambda *t: ops.block_softmax_attention_reference(*t, block_size=8, causal=causal,
+                                                                     key_padding_mask=mask),
+            "lln_diag": lambda *t: ops.lln_diag_attention_reference(*t, ALPHA, BETA, block_size=8, causal=causal,
+                                                                   key_padding_mask=mask)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, side", [(5, "right"), (19, "left"), (19, "right")])
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_fused_matches_the_float64_reference_with_gradients(gen, op, dtype, causal, n, side):
+    q, k, v = inputs(gen, DTYPES[dtype], n)
+    mask = padding_mask(2, n, side, gen)
+    if n == 19:
+        mask[1] = torch.arange(n) < 11 if side == "left" else torch.arange(n) >= 5  # whole blocks of padding
+    fn = block if op == "block" else lln_diag
+    out = fn(q, k, v, "fused", causal=causal, mask=mask)
+    grad = torch.randn(out.shape, generator=gen)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = references(q, k, v, causal=causal, mask=mask)[op](*leaves)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    method = "softmax" if op == "block" else "lln_diag"
+    assert out.dtype == q.dtype and rel_err(out, ref) < tolerance(method, dtype)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)), want):
+        assert g.dtype == q.dtype and rel_err(g, w) < tolerance(method, dtype, gradient=True)
+
+
+def test_fused_block_rows_that_see_no_key_give_zero(gen):
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = torch.zeros(2, 19, dtype=torch.bool)
+    mask[1, :8] = True  # the second sequence's first block holds no key
+    out = block(q, k, v, "fused", causal=False, mask=mask)
+    assert torch.equal(out[1, :, :8], torch.zeros_like(out[1, :, :8])) and out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_causal_fused_outputs_depend_on_no_future_token_exactly(gen, op):
+    q, k, v = (t.detach() for t in inputs(gen, torch.bfloat16, 21))
+    fn = block if op == "block" else lln_diag
+    out = fn(q, k, v, "fused", causal=True, mask=None)
+    for t in (4, 8, 13):  # the middle of a block, the first row of one, another middle
+        changed = [x.clone() for x in (q, k, v)]
+        for x in changed:
+            x[:, :, t:] *= 10
+        assert torch.equal(fn(*changed, "fused", causal=True, mask=None)[:, :, :t], out[:, :, :t])
+
+
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_fused_runs_on_the_meta_device_in_one_custom_op_each_way(gen, op):
+    q, k, v = (torch.empty(2, 2, 37, d, dtype=torch.float16, device="meta", requires_grad=True) for d in (20, 20, 12))
+    assert implementation_for("block_softmax" if op == "block" else "lln_diag", "fused", q, v) == "fused"
+    fn = block if op == "block" else lln_diag
+    out = fn(q, k, v, "fused", causal=False, mask=torch.zeros(2, 37, dtype=torch.bool, device="meta"))
+    assert out.shape == (2, 2, 37, 12) and out.dtype == torch.float16
+    q2, k2, v2 = inputs(gen, torch.float16, 16)
+    with count_dispatch() as c:
+        fn(q2, k2, v2, "fused", causal=False, mask=None).sum().backward()
+    assert c.ops["block_softmax"] == 1 and c.ops["block_softmax_backward"] == 1
