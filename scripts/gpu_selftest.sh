@@ -23,8 +23,9 @@ and its threshold:
   finetune   scripts/finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoints;
   eval_lm    scripts/eval_pg19.sh: perplexity at 1x and 2x the training context;
   decode     incremental decoding == full forward on the GPU (padded batch, beam reordering);
-  speed      the attention benchmark (CUDA events) at N = 4096, 8192, 16384, per form: FAIL when a linear
-             method is slower than SDPA at 16K; ATen op and host sync counts shown;
+  speed      the fused implementation's targets: one module's training step at 32K tokens a step, fp16 and bf16,
+             N = 4096 and 16384, against the softmax module (SDPA flash): FAIL over a target's time or 1.5x its
+             peak memory; each row names the implementation that ran;
   multi_gpu  2 ranks (torchrun) vs 1 process on the same global batch: moment statistics identical on
              both ranks and equal to the 1-process run's; losses within 2e-3.
 Then one line: "gpu_selftest: PASS (...)" or "gpu_selftest: FAIL (...); failed: ...".

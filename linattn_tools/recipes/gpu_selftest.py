@@ -15,8 +15,9 @@ Stages, each printing PASS/FAIL per check with the measured number and its thres
   finetune   finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoint;
   eval_lm    eval_pg19.sh: perplexity at 1x and 2x the training context (causal models);
   decode     incremental decoding == full forward on the device (padded batch, beam reordering);
-  speed      the attention benchmark per form at N = 4K-16K (CUDA events): a linear method slower than SDPA
-             (same causality) at 16K fails; ATen op and host sync counts shown;
+  speed      the fused implementation's targets (linattn_tools.benchmark.targets): one module's training step at
+             32K tokens a step, fp16 and bf16, N = 4K and 16K, against the softmax module of the same causality:
+             a series over its target time or 1.5x its peak memory fails; rows name the implementation that ran;
   multi_gpu  (>= 2 GPUs) 2 ranks vs 1 process on the same global batch: moment statistics identical on both
              ranks and equal to the 1-process run's, losses within 2e-3.
 Report: WORK/report.json and WORK/report.md (WORK is emptied of the previous run's files first; the prepared

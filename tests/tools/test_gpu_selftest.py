@@ -177,25 +177,38 @@ def test_a_second_run_into_the_same_directory_reads_only_its_own_events(tmp_path
     assert judge(out)["run loss"].status == "FAIL"
 
 
-def fake_benchmark(ms):
-    return {"points": {name: [{"n": 16384, "status": "ok", "median_s": t / 1e3, "aten_ops": 9, "host_syncs": 0}]
-                       for name, t in ms.items()}}
+def fake_point(ms, peak=None):
+    """A targets point: {(method, causal): milliseconds}; peak bytes 100 each unless ``peak`` says otherwise."""
+    return {"rows": [{"method": m, "causal": c, "median_s": t / 1e3, "peak_bytes": (peak or {}).get((m, c), 100),
+                      "impl": "fused" if m == "lln" else "parallel"} for (m, c), t in ms.items()]}
 
 
-def test_speed_fails_a_linear_method_slower_than_sdpa_only_on_cuda(monkeypatch):
-    from linattn_tools.methods_extra import METHODS_EXTRA
+def test_speed_judges_the_targets_only_on_cuda(monkeypatch):
+    """The targets of linattn_tools.benchmark.targets at N = 16384 (LLN <= 0.2x the softmax module's time, LLN+Diag
+    and LAVO <= 0.3x, memory <= 1.5x): a series over its time or its memory fails, on CUDA only; bf16 is measured
+    only where the GPU has it."""
+    ms = {("softmax", False): 10.0, ("softmax", True): 5.0, ("lln", False): 1.5, ("lln", True): 1.5,
+          ("lln_diag", False): 2.5, ("lavo", True): 1.4, ("skyformer", False): 2.0}
+    calls = []
 
-    times = {"softmax": 10.0, "softmax causal": 6.0, "lln causal": 7.0}
-    times.update({n: 5.0 for n, m in METHODS_EXTRA.items() if not m.quadratic})
-    monkeypatch.setattr(speed, "run_benchmark", lambda settings, form: fake_benchmark(times))
-    monkeypatch.setattr("linattn.ops.impls.resolve_impl", lambda impl, device: "parallel")
-    for device, status in (("cuda", "FAIL"), ("cpu", "INFO")):
-        stage = speed.speed_stage(core.Settings(device, Path("/nonexistent")))
-        rows = {r.check: r for r in stage.rows}
-        assert rows["lln causal at N=16384"].status == status and "x1.17" in rows["lln causal at N=16384"].measured
-        assert "parallel 9 ops, 0 syncs" in rows["lln causal at N=16384"].detail
-        assert rows["lln at N=16384"].status == ("PASS" if device == "cuda" else "INFO")
-        assert not any(r.check.startswith(("softmax", "kernelized")) for r in stage.rows)
+    def point(settings, dtype, n):
+        calls.append((dtype, n))
+        return fake_point(ms, peak={("lln_diag", False): 160})
+
+    monkeypatch.setattr(speed, "run_point", point)
+    stage = speed.speed_stage(core.Settings("cuda", Path("/nonexistent"), bf16=False))
+    rows = {r.check: r for r in stage.rows}
+    assert calls == [("float16", 4096), ("float16", 16384)]
+    assert rows["lln float16 N=16384"].status == "PASS" and "x0.15" in rows["lln float16 N=16384"].measured
+    assert rows["lln causal float16 N=16384"].status == "FAIL"  # 0.3x > 0.2x
+    diag = rows["lln_diag float16 N=16384"]
+    assert diag.status == "FAIL" and "x0.25" in diag.measured and "peak x1.60" in diag.measured  # memory only
+    assert rows["lavo causal float16 N=16384"].status == "PASS"  # 0.28x <= 0.3x
+    assert rows["lln float16 N=16384"].detail == "implementation fused"
+    assert rows["lln float16 N=4096"].status == "PASS"  # 0.15x <= 0.6x
+    calls.clear()
+    stage = speed.speed_stage(core.Settings("cpu", Path("/nonexistent"), quick=True))
+    assert calls == [("float32", 32), ("float32", 64)] and {r.status for r in stage.rows} == {"INFO"}
 
 
 def test_compile_stage_fails_a_case_that_does_not_compile_or_compiles_to_no_graph(monkeypatch):

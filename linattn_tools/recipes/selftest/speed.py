@@ -1,81 +1,63 @@
-"""The ``speed`` stage: ``python -m linattn_tools.benchmark.attention`` once per implementation (``--impl parallel``
-and ``--impl looped``), forward + backward timed between CUDA events at N = 4K, 8K and 16K.
+"""The ``speed`` stage: the targets of the fused implementation (docs/design.md §1.3.1;
+``python -m linattn_tools.benchmark.targets``): one attention module's training step at 32K tokens a step with
+``--attention-impl fused``, in float16 and bfloat16 (where the GPU has it), at N = 4096 and 16384, against the softmax
+module of the same causality in the same dtype (SDPA on its flash kernel), each point in a process of its own.
 
-Verdict (CUDA only): at the largest N, every linear method (the registry's methods that are not quadratic) in the
-impl ``auto`` picks on the device is at most as slow as SDPA with the same causality. Each row shows both
-implementations' ATen op and host sync counts. On the CPU (tiny sizes) the rows are reported without a verdict.
+Verdict (CUDA only): each series' time over the softmax module's within its target at that N, and its peak memory
+within ``MEMORY_LIMIT`` times the softmax module's; each row names the implementation that ran. On the CPU (float32,
+tiny sizes, where no target is set) the rows are reported without a verdict.
 """
 import json
 import sys
-from typing import Dict, Optional
+from typing import Optional
 
 from .core import Settings, Stage, run_logged
-from .ops import IMPLS
 
-SIZES = (4096, 8192, 16384)
+SIZES = (4096, 16384)
+QUICK_SIZES = (32, 64)
 
 
-def run_benchmark(settings: Settings, impl: str) -> Optional[dict]:
-    """The benchmark's JSON for one implementation, or None (its log says why)."""
+def run_point(settings: Settings, dtype: str, n: int) -> Optional[dict]:
+    """The targets benchmark's JSON at one (dtype, N), or None (its log says why)."""
     out = settings.stage_dir("speed")
-    result = out / f"attention_{impl}.json"
-    cmd = [sys.executable, "-m", "linattn_tools.benchmark.attention", "--impl", impl, "--device", settings.device,
-           "--malloc", "default", "--json", result, "--plot", out / f"attention_{impl}.png"]
-    cmd += ["--quick"] if settings.quick else ["--sizes", *map(str, SIZES), "--repeats", "5", "--min-repeats", "3"]
-    code = run_logged(cmd, out / f"attention_{impl}.log")
+    result = out / f"targets_{dtype}_{n}.json"
+    cmd = [sys.executable, "-m", "linattn_tools.benchmark.targets", "--n", str(n), "--dtype", dtype, "--impl",
+           "fused", "--device", settings.device, "--json", result]
+    if settings.quick:
+        cmd += ["--tokens-per-step", str(2 * n), "--warmup", "1", "--repeats", "1"]
+    code = run_logged(cmd, out / f"targets_{dtype}_{n}.log")
     return json.loads(result.read_text()) if code == 0 and result.is_file() else None
 
 
-def point(res: dict, series: str, n: int) -> Optional[dict]:
-    return next((p for p in res["points"].get(series, []) if p["n"] == n and p["status"] == "ok"), None)
-
-
-def counts(results: Dict[str, dict], series: str, n: int) -> str:
-    """'parallel 69 ops, 0 syncs; looped 69 ops, 0 syncs'."""
-    parts = []
-    for impl, res in results.items():
-        p = point(res, series, n)
-        parts.append(f"{impl} " + ("—" if p is None or "aten_ops" not in p else
-                                   f"{p['aten_ops']} ops, {p['host_syncs']} syncs, {1e3 * p['median_s']:.3g} ms"))
-    return "; ".join(parts)
-
-
 def speed_stage(settings: Settings) -> Stage:
-    import torch
+    from linattn_tools.benchmark.targets import BASELINE, MEMORY_LIMIT, TARGETS
+    from linattn_tools.benchmark.targets import SIZES as GOAL_SIZES
 
-    from linattn.methods import METHODS
-    from linattn.ops.impls import resolve_impl
-    from linattn_tools.methods_extra import METHODS_EXTRA
-
-    judged = resolve_impl("auto", torch.device(settings.device))
-    stage = Stage("speed", note=f"verdict on the {judged} impl (auto on {settings.device})" if settings.cuda else
-                  "CPU at tiny sizes: reported without a verdict (the thresholds are for a GPU at 16K)")
-    results = {}
-    for impl in IMPLS:
-        res = run_benchmark(settings, impl)
-        if res is None:
-            stage.judge(f"benchmark --impl {impl}", False, "no result", "exit 0",
-                        str(settings.work / "speed" / f"attention_{impl}.log"))
-        else:
-            results[impl] = res
-    if judged not in results:
-        return stage
-    res = results[judged]
-    n = max(p["n"] for pts in res["points"].values() for p in pts)
-    for name, method in METHODS.items():
-        if METHODS_EXTRA[name].quadratic:
-            continue
-        for causal in (False, True) if method.causal else (False,):
-            series, sdpa = (f"{name} causal", "softmax causal") if causal else (name, "softmax")
-            mine, base = point(res, series, n), point(res, sdpa, n)
-            detail = counts(results, series, n)
-            if mine is None:
-                stage.add(f"{series} at N={n}", "FAIL" if settings.cuda else "INFO", "did not run",
-                          f"<= {sdpa}", detail)
+    dtypes = ("float16", "bfloat16") if settings.bf16 else ("float16",)
+    stage = Stage("speed", note="the fused implementation's targets at 32K tokens a step (docs/design.md §1.3.1)"
+                  if settings.cuda else "CPU, float32, tiny sizes: reported without a verdict (the targets are for "
+                  "a GPU)")
+    for dtype in dtypes if settings.cuda else ("float32",):
+        for n in QUICK_SIZES if settings.quick else SIZES:
+            res = run_point(settings, dtype, n)
+            if res is None:
+                stage.judge(f"targets {dtype} N={n}", False, "no result", "exit 0",
+                            str(settings.work / "speed" / f"targets_{dtype}_{n}.log"))
                 continue
-            ratio = mine["median_s"] / base["median_s"] if base else None
-            measured = (f"{1e3 * mine['median_s']:.3g} ms vs {1e3 * base['median_s']:.3g} ms (x{ratio:.2f})"
-                        if base else f"{1e3 * mine['median_s']:.3g} ms; {sdpa} did not run")
-            status = "INFO" if not settings.cuda else "PASS" if ratio is None or ratio <= 1.0 else "FAIL"
-            stage.add(f"{series} at N={n}", status, measured, f"<= {sdpa} (SDPA)", detail)
+            rows = {(r["method"], r["causal"]): r for r in res["rows"]}
+            for (method, causal), goals in TARGETS.items():
+                series = f"{method}{' causal' if causal else ''} {dtype} N={n}"
+                mine, base = rows.get((method, causal)), rows.get((BASELINE, causal))
+                goal = dict(zip(GOAL_SIZES, goals)).get(n) if settings.cuda else None
+                threshold = (f"<= x{goal:g} time, <= x{MEMORY_LIMIT:g} peak of the {BASELINE} module"
+                             if goal is not None else "—")
+                if mine is None or base is None:
+                    stage.add(series, "FAIL" if goal is not None else "INFO", "did not run", threshold)
+                    continue
+                ratio = mine["median_s"] / base["median_s"]
+                peak = mine["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else 0.0
+                measured = (f"{1e3 * mine['median_s']:.3g} ms vs {1e3 * base['median_s']:.3g} ms (x{ratio:.2f}), "
+                            f"peak x{peak:.2f}")
+                status = "INFO" if goal is None else "PASS" if ratio <= goal and peak <= MEMORY_LIMIT else "FAIL"
+                stage.add(series, status, measured, threshold, f"implementation {mine['impl']}")
     return stage
