@@ -39,6 +39,20 @@ def build(method: str, causal: bool, impl: str, dtype=torch.float32, device="cpu
     return build_attention(method, 768, 12, causal=causal, config=config).to(device=device, dtype=dtype).train()
 
 
+def add_step_arguments(p: argparse.ArgumentParser, impl: str) -> None:
+    """The options that name one module training step: --method, --causal, --n, --tokens-per-step, --dtype,
+    --impl (default ``impl``)."""
+    from linattn.methods import METHODS
+    from linattn.ops.impls import IMPLS
+
+    p.add_argument("--method", choices=sorted(METHODS), default="lln")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--tokens-per-step", type=int, default=32768, help="B = this // N (at least 1)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float16")
+    p.add_argument("--impl", choices=IMPLS, default=impl)
+
+
 def step(module, x, mask) -> None:
     out, _ = module(x, x, x, key_padding_mask=mask, need_weights=False)
     out.float().square().mean().backward()

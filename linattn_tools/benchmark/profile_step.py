@@ -11,9 +11,7 @@ from typing import List, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from linattn.methods import METHODS
-from linattn.ops.impls import IMPLS
-from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
+from linattn_tools.benchmark.gpu_shape import add_step_arguments, build, module_step_inputs, step
 
 
 def table(method: str, causal: bool, n: int, tokens: int, dtype: str, impl: str, device: str, steps: int = 3,
@@ -38,12 +36,7 @@ def table(method: str, causal: bool, n: int, tokens: int, dtype: str, impl: str,
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=sorted(METHODS), default="lln")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--n", type=int, default=4096)
-    p.add_argument("--tokens-per-step", type=int, default=32768, help="B = this // N (at least 1)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float16")
-    p.add_argument("--impl", choices=IMPLS, default="auto")
+    add_step_arguments(p, impl="auto")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--out", type=Path, default=None, help="also write the table here")

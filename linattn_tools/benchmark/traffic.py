@@ -15,9 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from linattn.methods import METHODS
-from linattn.ops.impls import IMPLS
-from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
+from linattn_tools.benchmark.gpu_shape import add_step_arguments, build, module_step_inputs, step
 
 BANDWIDTH = 2.5e12  # bytes/s an H100's HBM3 sustains in practice (3.35 nominal)
 HALF_RATE, FLOAT_RATE = 600e12, 50e12  # dense matmul FLOP/s in half precision (tensor cores) and fp32
@@ -74,12 +72,7 @@ def step_traffic(method: str, causal: bool, n: int, tokens: int, dtype: str, imp
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=sorted(METHODS), default="lln")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--n", type=int, default=4096)
-    p.add_argument("--tokens-per-step", type=int, default=32768, help="B = this // N (at least 1)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float16")
-    p.add_argument("--impl", choices=IMPLS, default="parallel")
+    add_step_arguments(p, impl="parallel")
     p.add_argument("--rows", type=int, default=15)
     args = p.parse_args(argv)
     res = step_traffic(args.method, args.causal, args.n, args.tokens_per_step, args.dtype, args.impl)

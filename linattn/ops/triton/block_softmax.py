@@ -15,20 +15,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, TINY, block, block_rows, emulate_half_dot, half_dot, launch, wide_dot
 
 
 @triton.jit
 def _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr, BD: tl.constexpr,
            HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
     """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB)."""
-    i = tl.arange(0, BB)
     d = tl.arange(0, BD)
-    rows = blk * BS + i
-    ok = (i < BS) & (rows < N)
-    key_ok = ok
-    if HAS_MASK:
-        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, HAS_MASK)
     at = pid * N * D + rows[:, None] * D + d[None, :]
     qq = tl.load(q_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)
     kk = tl.load(k_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)

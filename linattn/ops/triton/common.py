@@ -85,3 +85,26 @@ def _round_tf32(x):
     core fed raw fp32 drops the low bits instead: at most one tf32 ulp apart)."""
     bits = x.to(tl.uint32, bitcast=True)
     return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_rows(mask_ptr, blk, pid, H, N, SIZE, BR: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Block ``blk`` of SIZE rows (in BR >= SIZE lanes) of head ``pid`` (B*H order; mask (B,N), True = padded):
+    the lane index, the row index, whether the row is inside the sequence, and whether it holds a visible key."""
+    i = tl.arange(0, BR)
+    rows = blk * SIZE + i
+    ok = (i < SIZE) & (rows < N)
+    key_ok = ok
+    if HAS_MASK:
+        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    return i, rows, ok, key_ok
+
+
+@triton.jit
+def load_state(ptr, at, D, DV, BD: tl.constexpr, BDV: tl.constexpr):
+    """A state [S, z] stored (D, DV+1) fp32 at ``ptr + at``: S (BD, BDV) and z (BD,), 0 outside."""
+    d = tl.arange(0, BD)
+    e = tl.arange(0, BDV)
+    row = ptr + at + d * (DV + 1)
+    return (tl.load(row[:, None] + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0),
+            tl.load(row + DV, mask=d < D, other=0.0))

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, TINY, block, block_rows, emulate_half_dot, half_dot, launch, load_state, wide_dot
 from .lln_key_max import key_block_max
 
 
@@ -34,7 +34,6 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, H, N, D, DV
             HAS_MASK: tl.constexpr):
     """One head, features BF*j .. BF*(j+1): stores the state before each chunk into s (NC, D, DV+1)."""
     pid = tl.program_id(0)
-    i = tl.arange(0, BC)
     d = tl.program_id(1) * BF + tl.arange(0, BF)
     e = tl.arange(0, BDV)
     dok = d < D
@@ -46,11 +45,7 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, H, N, D, DV
         state = s_ptr + ((pid * NC + c) * D + d) * (DV + 1)
         tl.store(state[:, None] + e[None, :], s, mask=dok[:, None] & eok[None, :])
         tl.store(state + DV, z, mask=dok)
-        rows = c * C + i
-        ok = (i < C) & (rows < N)
-        key_ok = ok
-        if HAS_MASK:
-            key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+        _, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         bk = tl.load(k_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & dok[None, :],
@@ -71,21 +66,14 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     shifts g, rho, lse (C,)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
-    i = tl.arange(0, BC)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     dok = d < D
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
     beta = tl.load(beta_ptr + pid)
-    rows = c * C + i
-    ok = (i < C) & (rows < N)
-    key_ok = ok
-    if HAS_MASK:
-        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
-    state = s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
-    s = tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
-    z = tl.load(state + DV, mask=dok, other=0.0)
+    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
+    s, z = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
     at = rows[:, None] * D + d[None, :]
     live = key_ok[:, None] & dok[None, :]

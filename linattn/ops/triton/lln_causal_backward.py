@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, block, block_rows, emulate_half_dot, half_dot, launch, load_state, wide_dot
 
 
 @triton.jit
@@ -40,7 +40,6 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
                  D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One head, features BF*j .. BF*(j+1): stores G_c of every chunk into gs (NC, D, DV+1), from the last."""
     pid = tl.program_id(0)
-    i = tl.arange(0, BC)
     d = tl.program_id(1) * BF + tl.arange(0, BF)
     e = tl.arange(0, BDV)
     dok = d < D
@@ -52,8 +51,7 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         state = gs_ptr + ((pid * NC + c) * D + d) * (DV + 1)
         tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & (e[None, :] < DV))
         tl.store(state + DV, gz, mask=dok)
-        rows = c * C + i
-        ok = (i < C) & (rows < N)
+        i, rows, ok, _ = block_rows(q_ptr, c, pid, 1, N, C, BC, False)  # queries: no mask
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
@@ -76,18 +74,13 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
-    i = tl.arange(0, BC)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     dok = d < D
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
     beta = tl.load(beta_ptr + pid)
-    rows = c * C + i
-    ok = (i < C) & (rows < N)
-    key_ok = ok
-    if HAS_MASK:
-        key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
+    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
     mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
     mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
     g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
@@ -107,9 +100,7 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
     r = tl.exp(-rho)
     # the queries' part through the state S_c
-    state = s_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
-    sv = tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
-    sz = tl.load(state + DV, mask=dok, other=0.0)
+    sv, sz = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     dfq = r[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
@@ -118,9 +109,7 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     dfq += wide_dot(dqk, fk, WIDE)
     w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
     # the keys' part through the later chunks' queries: G_c
-    gstate = gs_ptr + (pid * NC + c) * D * (DV + 1) + d * (DV + 1)
-    gv = tl.load(gstate[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
-    gz = tl.load(gstate + DV, mask=dok, other=0.0)
+    gv, gz = load_state(gs_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
     dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk + (
         wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki

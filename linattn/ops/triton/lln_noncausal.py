@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, load_state, wide_dot
 from .lln_key_max import key_block_max
 
 # Both read at call time, here and by the backward (lln_noncausal_backward.py); SPLIT_ROWS a multiple of ROWS.
@@ -69,9 +69,7 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, N, D, DV, BLOCK: 
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))  # the query absorbs the keys' shift
     fq = tl.exp(a - tl.max(a, 1)[:, None])
-    base = s_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
-    s = tl.load(base + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0)
-    z = tl.load(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, mask=d < D, other=0.0)
+    s, z = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
     o = wide_dot(fq, s, WIDE) / den[:, None]
     tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], o.to(out_ptr.dtype.element_ty),

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, launch, wide_dot
+from .common import block, launch, load_state, wide_dot
 
 
 @triton.jit
@@ -39,16 +39,6 @@ def _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D,
 
 
 @triton.jit
-def _state(s_ptr, pid, D, DV, BD: tl.constexpr, BDV: tl.constexpr):
-    """[S, z] (D, DV+1) of one head as (S, z)."""
-    d = tl.arange(0, BD)
-    e = tl.arange(0, BDV)
-    base = s_ptr + pid * D * (DV + 1) + d[:, None] * (DV + 1)
-    sv = tl.load(base + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0)
-    return sv, tl.load(s_ptr + pid * D * (DV + 1) + d * (DV + 1) + DV, mask=d < D, other=0.0)
-
-
-@triton.jit
 def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
                 BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
@@ -57,7 +47,7 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, sca
     e = tl.arange(0, BDV)
     alpha = tl.load(alpha_ptr + pid)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
-    sv, _ = _state(s_ptr, pid, D, DV, BD, BDV)
+    sv, _ = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     dsv = tl.zeros((BD, BDV), tl.float32)
     dsz = tl.zeros((BD,), tl.float32)
     first = tl.program_id(1) * SPLIT
@@ -83,7 +73,7 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
-    sv, sz = _state(s_ptr, pid, D, DV, BD, BDV)
+    sv, sz = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
     fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD, BDV, WIDE)
     dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
@@ -96,7 +86,7 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     beta = tl.load(beta_ptr + pid)
     kk = tl.load(k_ptr + pid * S * D + rows[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
     fk = tl.exp(tl.where(live, kk * beta - m[None, :], float("-inf")))  # padded keys: exp(-inf) = 0
-    dsv, dsz = _state(ds_ptr, pid, D, DV, BD, BDV)
+    dsv, dsz = load_state(ds_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     at = rows[:, None] * DV + e[None, :]
     vv = tl.load(v_ptr + pid * S * DV + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     dk = (wide_dot(vv, tl.trans(dsv), WIDE) + dsz[None, :]) * fk * beta
