@@ -91,3 +91,21 @@ def test_fused_runs_on_the_meta_device_in_one_custom_op_each_way(gen, op):
     with count_dispatch() as c:
         fn(q2, k2, v2, "fused", causal=False, mask=None).sum().backward()
     assert c.ops["block_softmax"] == 1 and c.ops["block_softmax_backward"] == 1
+
+
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_compile_fullgraph_sees_one_block_custom_op(gen, op):
+    q, k, v = (t.detach() for t in inputs(gen, torch.bfloat16, 19))
+    fn = block if op == "block" else lln_diag
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fn(q, k, v, "fused", causal=True, mask=None), fullgraph=True,
+                             backend=backend)
+    assert torch.equal(compiled(q, k, v), fn(q, k, v, "fused", causal=True, mask=None))
+    target = torch.ops.linattn.block_softmax.default
+    assert sum(node.target is target for gm in graphs for node in gm.graph.nodes) == 1
