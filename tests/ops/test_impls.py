@@ -59,6 +59,10 @@ def test_implementation_for_names_the_fallback_of_fused(monkeypatch):
     assert implementation_for("lln_diag", "fused", half, block=256) == "parallel"  # the block softmax's do not
     assert implementation_for("block_softmax", "fused", half, block=128) == "fused"
     assert implementation_for("block_softmax", "fused", half.float()) == "parallel"
+    huge = half.new_empty(1, 16, 2**20, 128)  # 2^31 elements: past the kernels' int32 indices
+    assert implementation_for("lln", "fused", huge) == "parallel" == implementation_for("block_softmax", "fused", huge)
+    long = half.new_empty(1, 16, 2**18, 128)  # 2^29 elements; chunk states of 16 rows: 2^29 * 129 / 16 > 2^31
+    assert implementation_for("lln", "fused", long) == "fused" != implementation_for("lln", "fused", long, chunk=16)
     assert implementation_for("softmax", "fused", half) == "only"  # SDPA: one implementation
     assert implementation_for("lln", "auto", torch.empty(1, 1, 4, 64, dtype=torch.float16)) == "looped"
 

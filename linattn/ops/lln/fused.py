@@ -17,13 +17,17 @@ from .inputs import LLNInputs
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # the largest D and Dv a kernel holds in registers
 MAX_CHUNK = 128  # the largest causal chunk: its C×C products are held in registers
+MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: a larger q, k or v runs ``parallel``
 
 
 def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:
     """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,S,Dv) and causal chunks of ``chunk``
-    rows: half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, chunk <= MAX_CHUNK."""
-    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
-            and v.shape[-1] <= MAX_HEAD_DIM and chunk <= MAX_CHUNK)
+    rows: half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, chunk <= MAX_CHUNK, and fewer than 2^31 elements in
+    q, v and the causal chunk states (B,H,N/chunk,D,Dv+1)."""
+    b, h, n, d = q.shape
+    states = b * h * -(-n // chunk) * d * (v.shape[-1] + 1)
+    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and d <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM
+            and chunk <= MAX_CHUNK and max(q.numel(), v.numel(), states) <= MAX_ELEMENTS)
 
 
 def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:
