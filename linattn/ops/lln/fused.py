@@ -31,13 +31,13 @@ def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:
 
 
 def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:
-    """LLN (B,H,N,Dv) in q's dtype (fp32 if ``averaged``) and what ``backward`` needs: non-causal (None, m, s, den),
-    causal (out in q's dtype, m_incl, m_prev, g, rho, lse, s, den)."""
+    """LLN (B,H,N,Dv) in q's dtype (fp32 if ``averaged``) and what ``backward`` needs: the output in q's dtype, then
+    non-causal (m, s, den), causal (m_incl, m_prev, g, rho, lse, s, den)."""
     alpha, beta = _per_head(x)
     if not x.causal:
         from ..triton.lln_noncausal import lln_noncausal
         out, s, den, m = lln_noncausal(x.q, x.k, x.v, alpha, beta, x.mask, averaged)
-        return out, (None, m, s, den)
+        return out, (out.to(x.q.dtype) if averaged else out, m, s, den)
     from ..triton.lln_causal import lln_causal
     out, s, den, m_prev, m_incl, g, rho, lse = lln_causal(x.q, x.k, x.v, alpha, beta, x.mask, x.chunk, averaged)
     return out, (out.to(x.q.dtype) if averaged else out, m_incl, m_prev, g, rho, lse, s, den)
@@ -52,7 +52,7 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
     if not x.causal:
         from ..triton.lln_noncausal_backward import lln_noncausal_backward
         m, s, den = state
-        return lln_noncausal_backward(x.q, x.k, x.v, grad, alpha, beta, m, s, den, x.mask, float(scale))
+        return lln_noncausal_backward(x.q, x.k, x.v, grad, out, alpha, beta, m, s, den, x.mask, float(scale))
     from ..triton.lln_causal_backward import lln_causal_backward
     m_incl, m_prev, g, rho, lse, s, den = state
     return lln_causal_backward(x.q, x.k, x.v, grad, out, den, alpha, beta, x.mask, m_prev, m_incl, g, rho, lse, s,

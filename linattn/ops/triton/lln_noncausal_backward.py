@@ -1,13 +1,13 @@
 """The backward of non-causal LLN (LLN eq. 8-9), the custom op ``linattn::lln_noncausal_backward``: the parallel
 implementation's backward (``lln/parallel._noncausal_backward``) in two kernels and one sum.
 
-With go = scale [grad, -grad·out] / den (out rebuilt from phi_q and [S, z]): ``_state_grad``, grid
+With go = scale [grad, -grad·out] / den (out as the forward stored it, in q's dtype): ``_state_grad``, grid
 (B*H, cdiv(N, SPLIT_ROWS)), sums the partial dL/d[S, z] = phi_q^T go over SPLIT_ROWS queries of one head per program,
 and one ``sum`` over the split axis adds them (deterministic, no atomics): one program per head would walk all N
 queries alone, a tenth of an H100's 132 SMs at the training shapes (B*H = 12 to 24, N up to 32K). ``_rows_grad``,
 grid (B*H, cdiv(max(N, S), ROWS)), gives per block of rows dq = (go [S, z]^T) phi_q alpha,
-dk = ([v, 1] dL/d[S, z]^T) phi_k beta and dv = phi_k dL/dS. go and the states are unbounded: their products are read
-in fp32 ("ieee"). ROWS and SPLIT_ROWS are the forward's, read at call time.
+dk = ([v, 1] dL/d[S, z]^T) phi_k beta and dv = phi_k dL/dS. go and the states are unbounded: their products are
+``wide_dot``'s (fp32, or tf32 as ``LAUNCH`` sets). ROWS and SPLIT_ROWS are the forward's, read at call time.
 """
 from typing import Optional, Tuple
 
@@ -21,9 +21,10 @@ from .common import block, launch, load_state, wide_dot
 
 
 @triton.jit
-def _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD: tl.constexpr,
-                 BDV: tl.constexpr, WIDE: tl.constexpr):
-    """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows."""
+def _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid, rows, N, D, DV, BD: tl.constexpr,
+                 BDV: tl.constexpr):
+    """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows,
+    out as the forward stored it."""
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     ok = rows < N
@@ -32,14 +33,14 @@ def _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D,
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))
     fq = tl.where(ok[:, None], tl.exp(a - tl.max(a, 1)[:, None]), 0.0)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # clamped to >= TINY by the forward
-    out = wide_dot(fq, sv, WIDE) / den[:, None]
-    gr = tl.load(grad_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & (e[None, :] < DV),
-                 other=0.0).to(tl.float32)
+    ate = pid * N * DV + rows[:, None] * DV + e[None, :]
+    out = tl.load(out_ptr + ate, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
+    gr = tl.load(grad_ptr + ate, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     return fq, gr * (scale / den)[:, None], -tl.sum(gr * out, 1) * (scale / den)
 
 
 @triton.jit
-def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
+def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
                 BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
@@ -47,14 +48,13 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, sca
     e = tl.arange(0, BDV)
     alpha = tl.load(alpha_ptr + pid)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
-    sv, _ = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     dsv = tl.zeros((BD, BDV), tl.float32)
     dsz = tl.zeros((BD,), tl.float32)
     first = tl.program_id(1) * SPLIT
     end = tl.minimum(first + SPLIT, N)
     for start in range(first, end, BLOCK):
-        fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, start + tl.arange(0, BLOCK), N,
-                                   D, DV, BD, BDV, WIDE)  # rows < end: SPLIT is a multiple of BLOCK
+        fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid,
+                                   start + tl.arange(0, BLOCK), N, D, DV, BD, BDV)  # SPLIT: a multiple of BLOCK
         dsv += wide_dot(tl.trans(fq), go, WIDE)
         dsz += tl.sum(fq * goz[:, None], 0)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * D * (DV + 1)  # part (B, H, splits, D, DV+1)
@@ -63,8 +63,8 @@ def _state_grad(q_ptr, grad_ptr, alpha_ptr, m_ptr, s_ptr, den_ptr, part_ptr, sca
 
 
 @triton.jit
-def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr, dq_ptr,
-               dk_ptr, dv_ptr, scale, H, N, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr,
+               dq_ptr, dk_ptr, dv_ptr, scale, H, N, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
     the inputs' dtype)."""
@@ -75,7 +75,7 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     sv, sz = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
-    fq, go, goz = _query_terms(q_ptr, grad_ptr, alpha, m, sv, den_ptr, scale, pid, rows, N, D, DV, BD, BDV, WIDE)
+    fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid, rows, N, D, DV, BD, BDV)
     dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
     tl.store(dq_ptr + pid * N * D + rows[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (d[None, :] < D))
@@ -97,31 +97,31 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, alpha_ptr, beta_ptr, m_ptr, mask_p
 
 
 @torch.library.custom_op("linattn::lln_noncausal_backward", mutates_args=())
-def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, alpha: Tensor, beta: Tensor, m: Tensor,
-                           s: Tensor, den: Tensor, mask: Optional[Tensor],
+def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, alpha: Tensor, beta: Tensor,
+                           m: Tensor, s: Tensor, den: Tensor, mask: Optional[Tensor],
                            scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """dq (B,H,N,D), dk (B,H,S,D), dv (B,H,S,Dv) in the inputs' dtype of ``scale`` x LLN from dL/d(out) ``grad``
-    and the state of ``lln_noncausal`` (m, s, den)."""
+    and the output and state of ``lln_noncausal`` (out in q's dtype, m, s, den)."""
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    q, k, v, grad, m, s, den = (t.contiguous() for t in (q, k, v, grad, m, s, den))
+    q, k, v, grad, out, m, s, den = (t.contiguous() for t in (q, k, v, grad, out, m, s, den))
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
     splits = max(1, triton.cdiv(n, split_rows))
     part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
-    _state_grad[(b * h, splits)](q, grad, alpha, m, s, den, part, scale, n, split_rows, d, dv_dim, BLOCK=rows,
+    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, scale, n, split_rows, d, dv_dim, BLOCK=rows,
                                  BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
     ds = part.sum(2)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
-        q, k, v, grad, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, scale, h, n, length, d, dv_dim, BLOCK=rows,
+        q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, scale, h, n, length, d, dv_dim, BLOCK=rows,
         BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
     return dq, dk, dv
 
 
 @lln_noncausal_backward.register_fake
-def _(q, k, v, grad, alpha, beta, m, s, den, mask, scale):
+def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
     return _empty(q, k, v)
 
 
