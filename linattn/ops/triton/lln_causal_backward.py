@@ -10,8 +10,9 @@ sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' obeys G_(c-1) = A_c + e^(m_prev_c - m
 - ``_grads``, grid (chunks, B*H): every chunk's dq, dk, dv at once from the forward's state S_c and G_c; the C×C
   products are formed in registers, later keys removed by selection.
 
-go is unbounded, so every product with it (and with the states) is read in fp32 ("ieee"); the bounded ones
-(phi_q phi_k^T, phi_k <= 1 with v) run on tensor cores in the half dtype.
+go = r grad (r = scale / den) is unbounded, so its products with the features and states are ``wide_dot``'s (fp32,
+or tf32 as ``LAUNCH`` sets); go vᵀ is r (grad vᵀ), grad and v both half: exact products on tensor cores, as are the
+bounded ones (phi_q phi_k^T, phi_k <= 1 with v) in the half dtype.
 """
 from typing import Optional, Tuple
 
@@ -25,14 +26,15 @@ from .common import HALF, block, block_rows, emulate_half_dot, half_dot, launch,
 
 @triton.jit
 def _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV: tl.constexpr):
-    """go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``) of a chunk's rows: (C, DV) and (C,)."""
+    """go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``) of a chunk's rows as grad (C, DV) (exact
+    in the half dtype), the row scale r = scale / den (C,) (go's value columns: grad r) and the ones column (C,)."""
     e = tl.arange(0, BDV)
     re = ok[:, None] & (e[None, :] < DV)
     ate = pid * N * DV + rows[:, None] * DV + e[None, :]
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
     gr = tl.load(grad_ptr + ate, mask=re, other=0.0).to(tl.float32)
     ou = tl.load(out_ptr + ate, mask=re, other=0.0).to(tl.float32)
-    return gr * (scale / den)[:, None], -tl.sum(gr * ou, 1) * (scale / den)
+    return gr, scale / den, -tl.sum(gr * ou, 1) * (scale / den)
 
 
 @triton.jit
@@ -59,7 +61,8 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         rd = ok[:, None] & dok[None, :]
         qq = tl.load(q_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=rd, other=0.0).to(tl.float32)
         fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
-        go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+        go = gr * rs[:, None]
         # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
         decay = tl.exp(tl.minimum(mp - mi, 0.0))
         gv = gv * decay[:, None] + wide_dot(tl.trans(fqr), go, WIDE)
@@ -97,7 +100,8 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
     fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
     vf = tl.load(v_ptr + pid * N * DV + ate, mask=re, other=0.0).to(tl.float32)
-    go, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+    gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+    go = gr * rs[:, None]
     r = tl.exp(-rho)
     # the queries' part through the state S_c
     sv, sz = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
@@ -105,7 +109,8 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-    dqk = tl.where(causal, (wide_dot(go, tl.trans(vf), WIDE) + goz[:, None]) * ex, 0.0)
+    # go vᵀ = r (grad vᵀ): grad and v are half, so their products are exact on tensor cores
+    dqk = tl.where(causal, (half_dot(gr, tl.trans(vf), HALF_TY, EMULATE) * rs[:, None] + goz[:, None]) * ex, 0.0)
     dfq += wide_dot(dqk, fk, WIDE)
     w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
     # the keys' part through the later chunks' queries: G_c
@@ -129,6 +134,7 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     nc, c = g.shape[2:]
     dv_dim = v.shape[-1]
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
     q, grad, out, den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (q, grad, out, den, m_prev, m_incl, rho,
                                                                             lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
