@@ -121,6 +121,29 @@ def test_causal_fused_outputs_depend_on_no_future_token_exactly(gen, dtype):
         assert torch.equal(changed[:, :, :t + 1], out[:, :, :t + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_fused_ignores_an_extreme_future_key_exactly(gen, dtype):
+    """A later key at beta k = 0.9 * 90 = 81 on every feature (exp's fp32 range ends at 88) changes no earlier
+    output, bit for bit: the key maxima and shifts are taken over earlier chunks only."""
+    q, k, v = (t.detach() for t in inputs(gen, DTYPES[dtype], 21, scale=2.0))
+    out = run(q, k, v, "fused", causal=True)
+    for t in (3, 8, 15):  # a chunk's middle, its first row, its last
+        k2 = k.clone()
+        k2[:, :, t] = 90.0
+        changed = run(q, k2, v, "fused", causal=True)
+        assert torch.equal(changed[:, :, :t], out[:, :, :t]) and changed[:, :, t:].isfinite().all()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the causal form's known limit (tests/ops/test_lln.py), "
+                   "no worse fused: its shifts underflow when |alpha q|, |beta k| >~ 35 sit on different channels")
+def test_causal_fused_misaligned_extreme_features_match_reference():
+    q, k = torch.tensor([[[[5.0, -5.0]]]]).half(), torch.tensor([[[[-5.0, 5.0]]]]).half()
+    v = torch.tensor([[[[1.0, 2.0]]]]).half()
+    assert implementation_for("lln", "fused", q, v) == "fused"
+    torch.testing.assert_close(ops.lln_attention(q, k, v, 8.0, 8.0, causal=False, impl="fused"), v)
+    torch.testing.assert_close(ops.lln_attention(q, k, v, 8.0, 8.0, causal=True, impl="fused"), v)
+
+
 def test_fp32_asked_for_fused_runs_parallel():
     q = torch.randn(1, 2, 9, 8)
     assert implementation_for("lln", "fused", q) == "parallel"
