@@ -30,9 +30,10 @@ SHAPES = ((8, 4096), (1, 32768))
 TF32 = dict(TF32=True)  # the unbounded operands' products on tensor cores (kept only where the check passes)
 CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "lln_key_max": [dict(num_warps=w) for w in (2, 8)],
-    "lln_causal_states": [dict(BF=f, num_warps=w, num_stages=2) for f in (16, 32) for w in (2, 4)],
+    "lln_causal_states": [dict(BF=f, num_warps=w, num_stages=2) for f in (16, 32) for w in (2, 4)]
+    + [dict(BV=32), dict(BV=32, num_warps=2)],
     "lln_causal_outputs": [dict(num_warps=8), TF32, dict(num_warps=8, **TF32)],
-    "lln_causal_grad_states": [dict(BF=32, num_warps=4), TF32, dict(BF=32, num_warps=4, **TF32)],
+    "lln_causal_grad_states": [dict(BF=32, num_warps=4), dict(BV=32), TF32, dict(BF=32, num_warps=4, **TF32)],
     "lln_causal_grads": [dict(num_warps=4), dict(num_warps=8, num_stages=2), TF32, dict(num_warps=4, **TF32)],
     "lln_noncausal_state": [dict(num_warps=8), dict(num_stages=3)],
     "lln_noncausal_readout": [dict(num_warps=8), TF32],

@@ -75,6 +75,18 @@ def test_fused_with_whole_chunks_of_padding(gen, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, side):
+    """BV (``triton/common.LAUNCH``, a tuning choice) below Dv: the walks over the chunks (states, and G_c in the
+    backward) split over value columns as well, 3 blocks of 16 for Dv = 40 (the last partial), the ones column
+    written once; against the float64 reference."""
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"BV": 16},
+                                                            "lln_causal_grad_states": {"BV": 16}}))
+    q, k, v = inputs(gen, DTYPES[dtype], 19, dv=40)
+    check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 19, side, gen))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_with_tf32_products_matches_the_reference(gen, monkeypatch, dtype, causal):
     """``TF32`` (``triton/common.LAUNCH``, a tuning choice): the unbounded operands' products rounded to tf32 (under
@@ -225,9 +237,12 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                                                               HAS_MASK=True, AVERAGE=True)),
                (block_softmax._backward, "block_softmax_backward", dict(BB=64, HALF_TY=half, EMULATE=False,
                                                                         CAUSAL=True, HAS_MASK=True))]
-    for (kernel, key, consts), tf32 in [(k, False) for k in kernels] + [(k, True) for k in kernels if name == "fp16"
-                                                                       and d == 64 and "WIDE" in launch(k[1], d)]:
-        settings = {**launch(key, d), **({"WIDE": 1} if tf32 else {})}
+    variants = [(k, {}) for k in kernels]  # at LAUNCH's settings; fp16 at 64 also with tf32 and half-width walks
+    if (name, d) == ("fp16", 64):
+        variants += [(k, {"WIDE": 1}) for k in kernels if "WIDE" in launch(k[1], d)]
+        variants += [(k, {"BV": 32}) for k in kernels if "BV" in launch(k[1], d)]
+    for (kernel, key, consts), change in variants:
+        settings = {**launch(key, d), **change}
         params = inspect.signature(kernel.fn).parameters
         consts = {p: v for p, v in {**sizes, **consts, **settings}.items() if p in params}
         half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr") + (
@@ -238,20 +253,21 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, d, compiled.metadata.shared)
-        print(name, d, kernel.fn.__name__, "tf32" if tf32 else "", compiled.metadata.shared, flush=True)
+        print(name, d, kernel.fn.__name__, change, compiled.metadata.shared, flush=True)
 """
 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     """Without a GPU: each kernel through Triton's whole pipeline to an sm_90 binary (its bundled ptxas), fp16 at
-    D = Dv = 64 and 128, bf16 at 64 (and fp16 at 64 with tf32 products), within an H100's shared memory per block
-    (the interpreter checks no GPU rule); minutes on 2 cores without Triton's cache."""
+    D = Dv = 64 and 128, bf16 at 64 (fp16 at 64 also with tf32 products and walks split over value columns), within
+    an H100's shared memory per block (the interpreter checks no GPU rule); minutes on 2 cores without Triton's
+    cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 40  # 11 kernels x 3, 7 with tf32
+    assert len(run.stdout.splitlines()) == 42  # 11 kernels x 3, 7 with tf32, 2 with BV = 32
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

@@ -14,15 +14,16 @@ import triton.language as tl
 HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dtypes the kernels take
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
-# Launch settings per kernel (warps, pipeline stages, BF: features per program of a walk over the chunks, TF32: the
+# Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
+# over the chunks (BV at most Dv's block: the whole of it), TF32: the
 # products of unbounded fp32 operands on tensor cores in tf32 instead of exact fp32 FMAs; ``wide_dot``), from
 # ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
 # on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
-          "lln_causal_states": dict(BF=16, num_warps=4, num_stages=2),
+          "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
           "lln_causal_outputs": dict(num_warps=4, num_stages=1, TF32=False),
-          "lln_causal_grad_states": dict(BF=16, num_warps=4, num_stages=2, TF32=False),
+          "lln_causal_grad_states": dict(BF=16, BV=128, num_warps=4, num_stages=2, TF32=False),
           "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=False),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
           "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=False),
@@ -32,12 +33,15 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=False)}
 
 
-def launch(kernel: str, d: int) -> dict:
-    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d: BF at most d's block; TF32 as the
-    kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 2 tf32 emulated under Triton's interpreter)."""
+def launch(kernel: str, d: int, dv: int = 0) -> dict:
+    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d (value size dv, default d): BF and BV
+    at most d's and dv's block; TF32 as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 2 tf32 emulated
+    under Triton's interpreter)."""
     settings = {**LAUNCH[kernel], **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
+    if "BV" in settings:
+        settings["BV"] = min(settings["BV"], block(dv or d))
     if "TF32" in settings:
         tf32 = settings.pop("TF32")
         settings["WIDE"] = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if tf32 else 0

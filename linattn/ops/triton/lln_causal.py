@@ -5,10 +5,10 @@ over *earlier* chunks), m_incl (over chunks <= c), a key's excess g_j >= 0 over 
 rho_i of g in its chunk, and the query's own shift lse_i = max_d (m_prev_d + alpha q_id); all from the half inputs
 in the kernels (each chunk's key maximum: ``lln_key_max.py``; their running maximum over the chunks: one cummax).
 
-- ``_states``, grid (B*H, D / FEATURES): the state [S_c, z_c] (fp32) before every chunk c for a block of features,
+- ``_states``, grid (B*H, D / BF, Dv / BV): the state [S_c, z_c] (fp32) before every chunk c for a block of features,
   S_(c+1) = e^(m_prev - m_incl) S_c + phi_k(m_incl)^T [v, 1] (phi_k referenced to m_incl, <= 1: its product with v
   on tensor cores in the half dtype, fp32 accumulation). The only walk over the chunks, and a light one (a
-  (FEATURES, C) x (C, Dv) product a step); feature blocks are independent, so a head is several programs.
+  (BF, C) x (C, BV) product a step); feature and value blocks are independent, so a head is several programs.
 - ``_outputs``, grid (chunks, B*H): every chunk at once from its stored state (g, rho and lse stored for the
   backward): W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by
   selection, so no output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q
@@ -30,21 +30,23 @@ from .lln_key_max import key_block_max
 
 @triton.jit
 def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, H, N, D, DV, NC, C, BC: tl.constexpr,
-            BF: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+            BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
             HAS_MASK: tl.constexpr):
-    """One head, features BF*j .. BF*(j+1): stores the state before each chunk into s (NC, D, DV+1)."""
+    """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores the state before each chunk into
+    s (NC, D, DV+1) (its z column: the programs of l = 0)."""
     pid = tl.program_id(0)
     d = tl.program_id(1) * BF + tl.arange(0, BF)
-    e = tl.arange(0, BDV)
+    e = tl.program_id(2) * BV + tl.arange(0, BV)
     dok = d < D
     eok = e < DV
     beta = tl.load(beta_ptr + pid)
-    s = tl.zeros((BF, BDV), tl.float32)
+    s = tl.zeros((BF, BV), tl.float32)
     z = tl.zeros((BF,), tl.float32)
     for c in range(0, NC):
         state = s_ptr + ((pid * NC + c) * D + d) * (DV + 1)
         tl.store(state[:, None] + e[None, :], s, mask=dok[:, None] & eok[None, :])
-        tl.store(state + DV, z, mask=dok)
+        if tl.program_id(2) == 0:  # the ones column, once
+            tl.store(state + DV, z, mask=dok)
         _, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
@@ -116,13 +118,12 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)
     m_prev[..., 0] = 0.0
     m_prev[..., 1:] = m_incl[..., :-1]
-    sizes = dict(BC=block(chunk), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
-                 HAS_MASK=mask is not None)
-    walk = launch("lln_causal_states", d)
-    _states[(b * h, triton.cdiv(d, walk["BF"]))](k, v, beta, mask_u8, m_prev, m_incl, s, h, n, d, dv, nc, chunk,
-                                                 **sizes, **walk)
+    sizes = dict(BC=block(chunk), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None)
+    walk = launch("lln_causal_states", d, dv)
+    _states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv, walk["BV"]))](
+        k, v, beta, mask_u8, m_prev, m_incl, s, h, n, d, dv, nc, chunk, **sizes, **walk)
     _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, h, n, d, dv, nc, chunk,
-                          BD=block(d), **sizes, **launch("lln_causal_outputs", d))
+                          BD=block(d), BDV=block(dv), **sizes, **launch("lln_causal_outputs", d))
     return out, s, den, m_prev, m_incl, g, rho, lse
 
 

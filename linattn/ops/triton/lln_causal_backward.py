@@ -5,7 +5,7 @@ reverse walk.
 With go = scale [grad, -grad·out] / den and A_c = (phi_q e^(-rho))^T go over chunk c, dL/dU_c = G_c =
 sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' obeys G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c.
 
-- ``_grad_states``, grid (B*H, D / FEATURES): G_c (fp32) of every chunk for a block of features, from the last chunk
+- ``_grad_states``, grid (B*H, D / BF, Dv / BV): G_c (fp32) of every chunk for a block of features, from the last chunk
   (the only walk over the chunks; feature blocks are independent);
 - ``_grads``, grid (chunks, B*H): every chunk's dq, dk, dv at once from the forward's state S_c and G_c; the C×C
   products are formed in registers, later keys removed by selection.
@@ -39,20 +39,24 @@ def _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV: t
 
 @triton.jit
 def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, scale, N,
-                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
-    """One head, features BF*j .. BF*(j+1): stores G_c of every chunk into gs (NC, D, DV+1), from the last."""
+                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores G_c of every chunk into gs
+    (NC, D, DV+1) (its ones column: the programs of l = 0), from the last chunk."""
     pid = tl.program_id(0)
     d = tl.program_id(1) * BF + tl.arange(0, BF)
-    e = tl.arange(0, BDV)
+    e = tl.program_id(2) * BV + tl.arange(0, BV)
     dok = d < D
+    eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
-    gv = tl.zeros((BF, BDV), tl.float32)  # G_c: dL/dU_c, its value columns
+    gv = tl.zeros((BF, BV), tl.float32)  # G_c: dL/dU_c, its value columns
     gz = tl.zeros((BF,), tl.float32)  # and its ones column
     for t in range(0, NC):  # a forward loop (pipelined) over the chunks from the last
         c = NC - 1 - t
         state = gs_ptr + ((pid * NC + c) * D + d) * (DV + 1)
-        tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & (e[None, :] < DV))
-        tl.store(state + DV, gz, mask=dok)
+        tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & eok[None, :])
+        if tl.program_id(2) == 0:  # the ones column, once
+            tl.store(state + DV, gz, mask=dok)
         i, rows, ok, _ = block_rows(q_ptr, c, pid, 1, N, C, BC, False)  # queries: no mask
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
@@ -61,7 +65,10 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         rd = ok[:, None] & dok[None, :]
         qq = tl.load(q_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=rd, other=0.0).to(tl.float32)
         fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
-        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
+        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)  # goz: every column
+        if BV < BDV:  # this program's value columns of grad
+            gr = tl.load(grad_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=ok[:, None] & eok[None, :],
+                         other=0.0).to(tl.float32)
         go = gr * rs[:, None]
         # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
         decay = tl.exp(tl.minimum(mp - mi, 0.0))
@@ -138,9 +145,10 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     q, grad, out, den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (q, grad, out, den, m_prev, m_incl, rho,
                                                                             lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
-    walk = launch("lln_causal_grad_states", d)
-    _grad_states[(b * h, triton.cdiv(d, walk["BF"]))](q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, scale,
-                                                      n, d, dv_dim, nc, c, BC=block(c), BDV=block(dv_dim), **walk)
+    walk = launch("lln_causal_grad_states", d, dv_dim)
+    _grad_states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv_dim, walk["BV"]))](
+        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, scale, n, d, dv_dim, nc, c, BC=block(c),
+        BDV=block(dv_dim), **walk)
     _grads[(nc, b * h)](
         q, k.contiguous(), v.contiguous(), grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g.contiguous(), rho,
         lse, s.contiguous(), gs, dq, dk, dv, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d),
