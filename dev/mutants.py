@@ -5,30 +5,8 @@ checks every snippet against the current code), its replacement, the mistake it 
 files that should catch it (run with ``-x``, so a killed mutant costs seconds). ``slow``: the slow-tier test
 files for ``--tier both`` (empty: the whole slow tier).
 """
-from typing import NamedTuple, Tuple
-
-
-class Mutant(NamedTuple):
-    id: str
-    file: str
-    original: str
-    replacement: str
-    description: str
-    tests: Tuple[str, ...]
-    slow: Tuple[str, ...] = ()
-
-
-OPS = "linattn/ops/"
-MOD = "fairseq_linattn/modules/"
-LLN_T = ("tests/ops/test_lln.py",)
-DIAG_T = ("tests/ops/test_lln_diag.py",)
-LAVO_T = ("tests/ops/lavo/test_lavo.py", "tests/ops/lavo/test_lavo_impls.py")
-SKY_T = ("tests/ops/skyformer/test_skyformer.py", "tests/ops/skyformer/test_skyformer_impls.py")
-MODULE_T = ("tests/plugin/test_modules.py", "tests/plugin/test_module_padding.py",
-            "tests/plugin/test_module_reference.py")
-DECODE_T = ("tests/plugin/test_fairseq_decoding.py",)
-MM_T = ("tests/ops/test_moment_matching.py",)
-FAIRSEQ_SLOW = ("tests/plugin/test_fairseq_cli.py", "tests/plugin/test_fairseq_workflows.py")
+from .mutant import DECODE_T, DIAG_T, FAIRSEQ_SLOW, LAVO_T, LLN_T, MM_T, MOD, MODULE_T, OPS, SKY_T, Mutant
+from .mutants_fused import FUSED_MUTANTS
 
 M = Mutant
 MUTANTS = [
@@ -302,77 +280,4 @@ MUTANTS = [
     M("fixes-weights-only", "fairseq_linattn/fairseq_fixes.py", 'kwargs.setdefault("weights_only", False)',
       'kwargs.setdefault("weights_only", True)', "the checkpoint fix keeps torch's weights_only=True",
       ("tests/plugin/test_fairseq_fixes.py",), FAIRSEQ_SLOW),
-    # -- the fused implementation (Triton kernels, run by the interpreter in the tests) --
-    M("impls-fused-no-fallback", OPS + "impls.py", 'return "parallel" if impl == "fused" and not fused_ok else impl',
-      "return impl", "fused asked of a method or device without kernels is not turned into parallel",
-      ("tests/ops/test_impls.py",)),
-    M("impls-fused-unsupported", OPS + "impls.py", 'if resolved == "fused" and not table["fused"].supports(',
-      'if resolved == "fused" and False and table["fused"].supports(',
-      "inputs the kernels cannot take (fp32, large heads) are sent to them", ("tests/ops/test_impls.py",)),
-    M("fused-lln-alpha-beta-swapped", OPS + "lln/fused.py", "for t in (x.alpha, x.beta))",
-      "for t in (x.beta, x.alpha))", "the kernels get beta for alpha and alpha for beta",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-block-not-pow2", OPS + "triton/common.py", "max(16, triton.next_power_of_2(n))", "max(16, n)",
-      "a block that is not a power of two (tl.arange refuses it)", ("tests/ops/test_lln_fused.py",)),
-    M("triton-tf32-not-rounded", OPS + "triton/common.py",
-      'return tl.dot(_round_tf32(a), _round_tf32(b), input_precision="ieee")',
-      'return tl.dot(a, b, input_precision="ieee")',
-      "the interpreter's tf32 products are exact: the tests would not see the tensor cores' rounding",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-block-sees-next-key", OPS + "triton/block_softmax.py",
-      "visible = visible & (i[None, :] <= i[:, None])", "visible = visible & (i[None, :] <= i[:, None] + 1)",
-      "a causal query of the block softmax sees the next key", ("tests/ops/test_block_fused.py",)),
-    M("triton-rows-padding", OPS + "triton/common.py",
-      "key_ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)", "key_ok = ok",
-      "the kernels' blocks and chunks take padded keys in",
-      ("tests/ops/test_block_fused.py", "tests/ops/test_lln_fused.py")),
-    M("block-fused-drops-lln-grads", OPS + "block_softmax/fused.py",
-      "return grads if add_to is None else tuple(g.add_(a) for g, a in zip(grads, add_to))", "return grads",
-      "LLN+Diag's fused backward keeps only the block part's gradients", ("tests/ops/test_block_fused.py",)),
-    M("lln-diag-fused-either-part", OPS + "lln_diag/fused.py",
-      "return lln_fused.supports(q, v, chunk=chunk) and block_fused.supports(q, v, block=block)",
-      "return lln_fused.supports(q, v, chunk=chunk) or block_fused.supports(q, v, block=block)",
-      "LLN+Diag runs fused when only one part's kernels take the inputs", ("tests/ops/test_impls.py",)),
-    M("triton-noncausal-bwd-no-output", OPS + "triton/lln_noncausal_backward.py",
-      "-tl.sum(gr * out, 1) * (scale / den)", "0.0 * tl.sum(gr * out, 1)",
-      "the backward leaves out the output's part of go (the denominator's gradient), reading no saved output",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-bwd-unscaled-grad", OPS + "triton/lln_causal_backward.py",
-      "* rs[:, None] + goz[:, None]) * ex", "+ goz[:, None]) * ex",
-      "go vᵀ from the raw output gradient, without go's row scale scale / den", ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-bwd-value-block", OPS + "triton/lln_causal_backward.py",
-      "    e = tl.program_id(2) * BV + tl.arange(0, BV)\n    dok = d < D\n    eok = e < DV\n    alpha",
-      "    e = tl.arange(0, BV)\n    dok = d < D\n    eok = e < DV\n    alpha",
-      "the backward's walk split over value columns computes the first block in every program",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-states-value-block", OPS + "triton/lln_causal.py",
-      "e = tl.program_id(2) * BV + tl.arange(0, BV)", "e = tl.arange(0, BV)",
-      "the states' walk split over value columns computes the first block in every program",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-key-max-padding", OPS + "triton/lln_key_max.py",
-      "ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)", "ok = ok",
-      "the key maxima that shift the features take padded keys in", ("tests/ops/test_lln_fused.py",)),
-    M("triton-key-max-next-block", OPS + "triton/lln_key_max.py", "ok = (rows < N) & (rows < c * ROWS + ROWS)",
-      "ok = rows < N", "a block's key maximum takes in the next block's keys (a causal chunk's: a future key)",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-rho-own-key", OPS + "triton/lln_causal.py",
-      "rho = tl.max(tl.where(i[None, :] <= i[:, None], g[None, :], 0.0), 1)", "rho = g",
-      "a query's shift rho is its own key's excess, not the largest among the keys it sees",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-future-key", OPS + "triton/lln_causal.py", "tl.where(i[None, :] <= i[:, None], w, 0.0)",
-      "tl.where(i[None, :] <= i[:, None] + 1, w, 0.0)", "a query sees the next key of its chunk",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-no-decay", OPS + "triton/lln_causal.py", "s = s * decay[:, None] + half_dot(",
-      "s = s + half_dot(", "the state is not rescaled when the key maximum grows", ("tests/ops/test_lln_fused.py",)),
-    M("triton-noncausal-shift", OPS + "triton/lln_noncausal.py", "qq * alpha + m[None, :]", "qq * alpha",
-      "the queries do not absorb the keys' shift exp(M_d)", ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-bwd-state-reset", OPS + "triton/lln_causal_backward.py",
-      "gv = gv * decay[:, None] + wide_dot(", "gv = wide_dot(",
-      "the keys' gradient through the states keeps only the next chunk's queries", ("tests/ops/test_lln_fused.py",)),
-    M("triton-causal-bwd-diagonal", OPS + "triton/lln_causal_backward.py", "causal = i[None, :] <= i[:, None]",
-      "causal = i[None, :] < i[:, None]", "the backward leaves out each query's own key",
-      ("tests/ops/test_lln_fused.py",)),
-    M("triton-noncausal-bwd-denominator", OPS + "triton/lln_noncausal_backward.py",
-      "WIDE) + dsz[None, :]) * fk * beta", "WIDE)) * fk * beta",
-      "the keys' gradient leaves out the denominator's part", ("tests/ops/test_lln_fused.py",)),
-]
+] + FUSED_MUTANTS

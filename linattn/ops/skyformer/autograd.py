@@ -1,19 +1,19 @@
 """Skyformer as an autograd op: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv).
 
 One autograd Function, ``_NystromApply``, runs the implementation ``impl`` names (``IMPLEMENTATIONS``: ``looped.py``,
-``parallel.py``, each with ``inputs``, ``forward`` and ``backward`` over ``NystromInputs``).
+``parallel.py``, ``fused.py``, each with ``inputs``, ``forward`` and ``backward`` over ``NystromInputs``).
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..impls import resolve_impl
+from ..impls import implementation_for
 from ..precision import autocast_off, function_output
-from . import looped, parallel
+from . import fused, looped, parallel
 from .nystrom import GAMMA, NYSTROM_TENSORS, LandmarkChoice, NystromInputs, check_skyformer, landmark_rows
 
-IMPLEMENTATIONS = {"looped": looped, "parallel": parallel}
+IMPLEMENTATIONS = {"looped": looped, "parallel": parallel, "fused": fused}
 
 
 class _NystromApply(torch.autograd.Function):
@@ -45,11 +45,12 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
 
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). ``exact_inverse`` uses pinv(M) instead of the iteration.
     Half inputs compute in float32 (the iteration needs it) and return the input dtype. ``impl``
-    (``impls.resolve_impl``): ``looped`` passes over rows of working size, ``parallel`` all 2N rows of [Q; K] at once.
+    (``impls.resolve_impl``): ``looped`` passes over rows of working size, ``parallel`` all 2N rows of [Q; K] at once,
+    ``fused`` Triton kernels (half inputs; ``fused.supports``, else ``parallel``).
     """
     choice = LandmarkChoice(num_landmarks, mode, generator, training)
     key_padding_mask = check_skyformer(q, k, v, key_padding_mask, choice, causal, gamma)
-    impl = resolve_impl(impl, q.device)
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, num_landmarks=num_landmarks)  # fused: inputs it takes
     rows = landmark_rows(q, key_padding_mask, choice)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
     x = IMPLEMENTATIONS[impl].inputs(q, k, v, rows, key_padding_mask, gamma, exact_inverse)

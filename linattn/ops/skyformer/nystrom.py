@@ -139,7 +139,8 @@ def upcast_qk(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple
 
 
 def gather_landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-    """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4), gathered without forming X: (B,H,m,D).
+    """Rows idx (B,m) of X = [Q; K] scaled by D^(-1/4) (eq. 4) in the compute dtype, gathered without forming X:
+    (B,H,m,D).
 
     Padded rows count as 0 (an unused slot may point at one).
     """
@@ -147,7 +148,7 @@ def gather_landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Option
     m = idx.shape[1]
     pick = lambda x, i: x.gather(2, i[:, None, :, None].expand(b, h, m, dim))
     land = torch.where((idx < n)[:, None, :, None], pick(q, idx.clamp_max(n - 1)), pick(k, (idx - n).clamp_min(0)))
-    land = land * kernel_scale(q)
+    land = land.to(compute_dtype(q)) * kernel_scale(q)  # half rows scaled in fp32
     if key_padding_mask is not None:
         land = land.masked_fill(key_padding_mask.gather(1, idx % n)[:, None, :, None], 0.0)
     return land

@@ -1,0 +1,151 @@
+"""Skyformer's Nyström apply out = C_Q (M^-T (C_K^T V)) (Skyformer eq. 6) in two kernels, one sum and one small
+product, as the custom op ``linattn::nystrom_apply``.
+
+The kernel columns C = kappa(X_s, L) = exp(-|X_s - L|²/2) (Skyformer §4.1) are never stored: every program forms
+its rows' (rows, d) block in registers, C = exp(D^(-1/2) (x·l - |x|²/2 - |l|²/2)) from the half rows x of Q or K and
+the landmarks' half rows l (L = l D^(-1/4): the landmarks are rows of X, so l is exact in the inputs' half dtype),
+x lᵀ on tensor cores with fp32 accumulation. C <= 1, so its products with half values run on tensor cores too.
+``_state``, grid (B*H, cdiv(N, SPLIT_ROWS)): each program sums its rows' share of C^T W (W: the values, or in the
+backward the output gradient), one ``sum`` over the split axis adds them (deterministic, no atomics). ``_readout``,
+grid (B*H, cdiv(N, ROWS)): out = C_Q U per block of queries, U = M^-T T read in fp32 (``wide_dot``).
+Padding, as the parallel implementation: a padded key's row of C is 0, a padded query is a zero query.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
+
+ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
+SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
+
+
+@triton.jit
+def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr):
+    """The landmarks of head ``pid`` (B*H order), stored (L, D) fp32 as L = l D^(-1/4): l (BL, BD) in HALF_TY
+    (exact: the landmarks are rows of the half inputs), L itself (BL, BD) fp32, |l|² (BL,) and the used-slot
+    factors (BL,) (1 or 0; 0 outside)."""
+    j = tl.arange(0, BL)
+    d = tl.arange(0, BD)
+    land = tl.load(land_ptr + pid * L * D + j[:, None] * D + d[None, :], mask=(j[:, None] < L) & (d[None, :] < D),
+                   other=0.0)
+    raw = (land / s).to(HALF_TY)
+    raw32 = raw.to(tl.float32)
+    used = tl.load(used_ptr + (pid // H) * L + j, mask=j < L, other=0.0)
+    return raw, land, tl.sum(raw32 * raw32, 1), used
+
+
+@triton.jit
+def kernel_block(x_ptr, mask_ptr, pid, H, rows, end, raw, raw_sq, used, s2, D, BD: tl.constexpr,
+                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr):
+    """Rows ``rows`` (< end) of Q or K (KEYS) of head ``pid``: x (R, BD) in HALF_TY (a padded query 0), C =
+    kappa(x_s, L) (R, BL) fp32 (0 on rows past the end and on padded keys), and whether each row is a real token."""
+    d = tl.arange(0, BD)
+    inside = rows < end
+    real = inside
+    if HAS_MASK:
+        real = inside & (tl.load(mask_ptr + (pid // H) * end + rows, mask=inside, other=1) == 0)
+    x = tl.load(x_ptr + pid * end * D + rows[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
+                other=0.0)
+    x32 = x.to(tl.float32)
+    # E = x_s·L - |x_s|²/2 - |L|²/2 = D^(-1/2) (x·l - |x|²/2 - |l|²/2) <= 0 (Skyformer §4.1), clamped for rounding
+    e = s2 * (half_dot(x, tl.trans(raw), HALF_TY, EMULATE) - 0.5 * tl.sum(x32 * x32, 1)[:, None]
+              - 0.5 * raw_sq[None, :])
+    c = tl.exp(tl.minimum(e, 0.0)) * used[None, :]
+    live = real if KEYS else inside
+    return x, tl.where(live[:, None], c, 0.0), real
+
+
+@triton.jit
+def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, s, H, N, SPLIT, D, DV, L, BLOCK: tl.constexpr,
+           BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+           HAS_MASK: tl.constexpr, KEYS: tl.constexpr):
+    """One split of one head: part (L, DV) = C^T W over its SPLIT rows of X (K if KEYS, else Q) and W (half)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BDV)
+    j = tl.arange(0, BL)
+    raw, land, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)  # land: unused
+    acc = tl.zeros((BL, BDV), tl.float32)
+    first = tl.program_id(1) * SPLIT
+    for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        x, c, real = kernel_block(x_ptr, mask_ptr, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY,
+                                  EMULATE, HAS_MASK, KEYS)  # x: unused
+        live = real if KEYS else rows < N  # a padded key's values reach nothing, whatever they hold
+        w = tl.load(w_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=live[:, None] & (e[None, :] < DV),
+                    other=0.0)
+        acc += half_dot(tl.trans(c), w, HALF_TY, EMULATE)
+    at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * L * DV  # part (B, H, splits, L, DV)
+    tl.store(at + j[:, None] * DV + e[None, :], acc, mask=(j[:, None] < L) & (e[None, :] < DV))
+
+
+@triton.jit
+def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, s, H, N, D, DV, L, BLOCK: tl.constexpr,
+             BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+             HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
+    """One block of queries of one head: out = C_Q U (U = M^-T T, (L, DV) fp32), stored in q's dtype."""
+    pid = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.arange(0, BDV)
+    j = tl.arange(0, BL)
+    raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
+    _, c, _ = kernel_block(q_ptr, mask_ptr, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY, EMULATE,
+                          HAS_MASK, False)
+    u = tl.load(u_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),
+                other=0.0)
+    out = wide_dot(c, u, WIDE)
+    tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < N) & (e[None, :] < DV))
+
+
+def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optional[Tensor], keys: bool) -> Tensor:
+    """C^T W (B,H,L,Dv) fp32 for C = kappa(X_s, L) over all rows of x (B,H,N,D) (K if ``keys``, else Q) and w
+    (B,H,N,Dv) half; land (B,H,L,D) fp32, used (B,L) fp32 factors, mask (B,N) or None (True = padded)."""
+    b, h, n, d = x.shape
+    dv, num = w.shape[-1], land.shape[2]
+    assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
+    splits = max(1, triton.cdiv(n, SPLIT_ROWS))
+    part = land.new_empty((b, h, splits, num, dv))  # each split's share, summed below: deterministic, no atomics
+    _state[(b * h, splits)](x, w, land, used, _mask_u8(mask, x), part, d ** -0.25, h, n, SPLIT_ROWS, d, dv, num,
+                            BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
+                            EMULATE=emulate_half_dot(x.dtype), HAS_MASK=mask is not None, KEYS=keys,
+                            **launch("nystrom_state", d))
+    return part.sum(2)
+
+
+def _mask_u8(mask: Optional[Tensor], like: Tensor) -> Tensor:
+    """The padding mask as uint8 for the kernels (any tensor where there is none: not read)."""
+    return like if mask is None else mask.to(torch.uint8).contiguous()
+
+
+@torch.library.custom_op("linattn::nystrom_apply", mutates_args=())
+def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, used: Tensor,
+                  mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k (B,H,N,D), v (B,H,N,Dv) half; land (B,H,L,D) the landmarks scaled by D^(-1/4) and m_inv (B,H,L,L) M^-1,
+    fp32; used (B,L) fp32 (1 or 0 per slot); mask (B,N) or None -> out (B,H,N,Dv) in q's dtype and T = C_K^T V,
+    U = M^-T T (B,H,L,Dv) fp32."""
+    out = _empty(q, v)
+    b, h, n, d = q.shape
+    dv, num = v.shape[-1], land.shape[2]
+    q, k, v, land, used = q.contiguous(), k.contiguous(), v.contiguous(), land.contiguous(), used.contiguous()
+    t = kernel_state(k, v, land, used, mask, keys=True)
+    u = (m_inv.mT @ t).contiguous()
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, land, used, _mask_u8(mask, q), u, out, d ** -0.25, h, n, d, dv, num,
+                                           BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
+                                           HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                                           HAS_MASK=mask is not None, **launch("nystrom_readout", d))
+    return out, t, u
+
+
+@nystrom_apply.register_fake
+def _(q, k, v, land, m_inv, used, mask):
+    small = land.new_empty(land.shape[:3] + v.shape[3:])
+    return _empty(q, v), small, torch.empty_like(small)
+
+
+def _empty(q: Tensor, v: Tensor) -> Tensor:
+    return q.new_empty(q.shape[:3] + v.shape[3:])
+

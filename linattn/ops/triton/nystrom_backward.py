@@ -1,0 +1,97 @@
+"""The backward of Skyformer's Nyström apply (Skyformer eq. 6), the custom op ``linattn::nystrom_apply_backward``:
+the parallel implementation's backward (``skyformer/parallel.backward``) with C rebuilt in registers.
+
+dU = C_Q^T grad by the forward's ``_state`` over the queries, dT = M^-1 dU and dL/dM^-1 = T dU^T (small products);
+then ``_rows_grad``, grid (B*H, cdiv(N, SPLIT_ROWS)), once over the queries (A = grad, W = U) and once over the keys
+(A = V, W = dT): per block of rows dE = C ∘ (A W^T), dX_s = dE L - rowsum(dE) X_s and, for the keys, dV = C dT;
+each program also sums its rows' share of dL = dE^T X_s - colsum(dE) L, and one ``sum`` over both passes' splits adds
+them (deterministic, no atomics). dE, U and dT are unbounded: their products are ``wide_dot``'s.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import nystrom as forward
+from .common import HALF, block, emulate_half_dot, launch, wide_dot
+from .nystrom import kernel_block, landmarks
+
+ROWS = 32  # rows per step of ``_rows_grad``: it holds C and dE (ROWS, L) besides L and its dL (L, D)
+
+
+@triton.jit
+def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, dv_ptr, part_ptr, s, H, N, SPLIT,
+               FIRST, TOTAL, D, DV, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr,
+               HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr,
+               WIDE: tl.constexpr):
+    """One split of the rows of Q, or of K (KEYS), of one head: dX (0 on padded rows) and for the keys dV, stored in
+    the inputs' dtype; part (L, D) = the split's share of dL/dL, at split FIRST + its index of TOTAL."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BD)
+    e = tl.arange(0, BDV)
+    j = tl.arange(0, BL)
+    raw, land, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
+    w = tl.load(factor_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),
+                other=0.0)
+    dl = tl.zeros((BL, BD), tl.float32)
+    col = tl.zeros((BL,), tl.float32)
+    first = tl.program_id(1) * SPLIT
+    for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        x, c, real = kernel_block(x_ptr, mask_ptr, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY,
+                                  EMULATE, HAS_MASK, KEYS)
+        live = real if KEYS else rows < N
+        at = pid * N * DV + rows[:, None] * DV + e[None, :]
+        a = tl.load(a_ptr + at, mask=live[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
+        # dE = dC ∘ C for C = exp(E), dC = A W^T; dX_s = dE L - rowsum(dE) X_s, dL = dE^T X_s - colsum(dE) L
+        de = wide_dot(a, tl.trans(w), WIDE) * c
+        xs = x.to(tl.float32) * s
+        dxs = wide_dot(de, land, WIDE) - tl.sum(de, 1)[:, None] * xs
+        inside = (rows[:, None] < N) & (d[None, :] < D)
+        tl.store(dx_ptr + pid * N * D + rows[:, None] * D + d[None, :],
+                 tl.where(real[:, None], dxs * s, 0.0).to(dx_ptr.dtype.element_ty), mask=inside)
+        if KEYS:
+            tl.store(dv_ptr + at, wide_dot(c, w, WIDE).to(dv_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < N) & (e[None, :] < DV))
+        dl += wide_dot(tl.trans(de), xs, WIDE)
+        col += tl.sum(de, 0)
+    at = part_ptr + (pid * TOTAL + FIRST + tl.program_id(1)) * L * D  # part (B, H, TOTAL, L, D)
+    tl.store(at + j[:, None] * D + d[None, :], dl - col[:, None] * land, mask=(j[:, None] < L) & (d[None, :] < D))
+
+
+@torch.library.custom_op("linattn::nystrom_apply_backward", mutates_args=())
+def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: Tensor, m_inv: Tensor,
+                           used: Tensor, mask: Optional[Tensor], t: Tensor,
+                           u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype, dL/d(land) (B,H,L,D) and dL/dM^-1 (B,H,L,L) fp32, from
+    dL/d(out) ``grad`` (q's dtype) and the forward's T, U (``nystrom.nystrom_apply``)."""
+    dq, dk, dv = _empty(q, k, v)
+    b, h, n, d = q.shape
+    dv_dim, num = v.shape[-1], land.shape[2]
+    q, k, v, land, used = q.contiguous(), k.contiguous(), v.contiguous(), land.contiguous(), used.contiguous()
+    grad = grad.to(q.dtype).contiguous()
+    du = forward.kernel_state(q, grad, land, used, mask, keys=False)
+    dt = (m_inv @ du).contiguous()
+    split_rows = forward.SPLIT_ROWS
+    assert split_rows % ROWS == 0, (split_rows, ROWS)
+    splits = max(1, triton.cdiv(n, split_rows))
+    part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
+    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    for first, (x, a, w, dx) in enumerate([(q, grad, u, dq), (k, v, dt, dk)]):
+        _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, d ** -0.25, h, n, split_rows,
+                                    first * splits, 2 * splits, d, dv_dim, num, BLOCK=ROWS, BD=block(d),
+                                    BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
+                                    EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, KEYS=first == 1,
+                                    **launch("nystrom_rows_grad", d))
+    return dq, dk, dv, part.sum(2), t @ du.mT
+
+
+@nystrom_apply_backward.register_fake
+def _(q, k, v, grad, land, m_inv, used, mask, t, u):
+    return (*_empty(q, k, v), torch.empty_like(land), torch.empty_like(m_inv))
+
+
+def _empty(q: Tensor, k: Tensor, v: Tensor):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

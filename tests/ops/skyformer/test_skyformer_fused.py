@@ -1,0 +1,206 @@
+"""Skyformer's fused implementation (``linattn/ops/skyformer/fused.py``, kernels ``linattn/ops/triton/nystrom*.py``) run
+by Triton's interpreter on CPU tensors: forward and input gradients (the landmarks' share included) against the
+float64 Nyström form C_Q M^-1 C_K^T V (Skyformer eq. 6, materialised) within ``linattn/tolerances.py``, padding left
+and right, odd and tiny lengths, unused landmark slots, both landmark modes, random and evenly spaced landmarks, fp16
+and bf16; padded rows' contents reach nothing; reductions over several splits; tf32 products; a sequence's output
+independent of its batch; the meta device; one custom op each way, for the op counter and ``torch.compile``."""
+import json
+
+import pytest
+import torch
+from helpers import padding_mask, rel_err
+
+from linattn import ops
+from linattn.ops.impls import implementation_for
+from linattn.profiling.dispatch import count_dispatch
+from linattn.tolerances import tolerance
+
+pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def inputs(gen, dtype, n, b=2, h=2, d=20, dv=12):
+    """q, k (B,H,N,D), v (B,H,N,Dv) in ``dtype``, leaves that require grad; D and Dv not powers of two."""
+    return [torch.randn(b, h, n, w, generator=gen).to(dtype).requires_grad_() for w in (d, d, dv)]
+
+
+def run(q, k, v, impl, *, mask=None, seed=None, **options):
+    """Skyformer with ``impl``; evenly spaced landmarks (eval) unless ``seed`` draws them (training)."""
+    options = {"num_landmarks": 6, **options}
+    if seed is not None:
+        options.update(training=True, generator=torch.Generator().manual_seed(seed))
+    else:
+        options.setdefault("training", False)
+    return ops.skyformer_attention(q, k, v, key_padding_mask=mask, impl=impl, **options)
+
+
+def nystrom_reference(q, k, v, *, mask=None, seed=None, **options):
+    """C_approx V (B,H,N,Dv) in float64: the materialised Nyström form with the same landmarks, padded values 0."""
+    options = {"num_landmarks": 6, **options}
+    if seed is not None:
+        options.update(training=True, generator=torch.Generator().manual_seed(seed))
+    else:
+        options.setdefault("training", False)
+    v0 = v if mask is None else v.masked_fill(mask[:, None, :, None], 0.0)
+    return ops.skyformer_kernel_matrix(q, k, key_padding_mask=mask, **options) @ v0
+
+
+def check_against_reference(gen, q, k, v, dtype, *, mask, **options):
+    out = run(q, k, v, "fused", mask=mask, **options)
+    grad = torch.randn(out.shape, generator=gen)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = nystrom_reference(*leaves, mask=mask, **options)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    assert out.dtype == q.dtype and rel_err(out, ref) < tolerance("skyformer", dtype)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)), want):
+        assert g.dtype == q.dtype and rel_err(g, w) < tolerance("skyformer", dtype, gradient=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, side, landmarks", [(1, None, 6), (3, "right", 8), (7, "left", 6), (19, "right", 6),
+                                                (19, "left", 40)])
+def test_fused_matches_the_float64_nystrom_form_with_gradients(gen, dtype, n, side, landmarks):
+    """n = 3 with 8 landmarks: fewer valid rows than slots (unused slots); 40 landmarks: not a power of two."""
+    q, k, v = inputs(gen, DTYPES[dtype], n)
+    mask = padding_mask(2, n, side, gen) if side else None
+    assert implementation_for("skyformer", "fused", q, v, num_landmarks=landmarks) == "fused"
+    check_against_reference(gen, q, k, v, dtype, mask=mask, num_landmarks=landmarks)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["stratified", "uniform"])
+def test_fused_with_random_landmarks_matches_the_reference(gen, dtype, mode):
+    """Training: landmarks drawn at random (the same draw for the same generator state), in either mode."""
+    q, k, v = inputs(gen, DTYPES[dtype], 17)
+    check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 17, "left", gen), seed=5, mode=mode)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_rows_reach_nothing_whatever_they_hold(gen, side):
+    """Padded queries are zero queries and padded keys' rows of C are 0: 6e4 in their q and k and inf in their v
+    change no output and no gradient, bit for bit."""
+    q, k, v = (t.detach() for t in inputs(gen, torch.float16, 13))
+    mask = padding_mask(2, 13, side, gen)
+    grad = torch.randn(2, 2, 13, 12, generator=gen).to(torch.float16)
+    results = []
+    for fills in ((0.0, 0.0, 0.0), (6e4, -6e4, float("inf"))):
+        held = [t.masked_fill(mask[:, None, :, None], f).requires_grad_() for t, f in zip((q, k, v), fills)]
+        out = run(*held, "fused", mask=mask)
+        results.append([out, *torch.autograd.grad(out, held, grad)])
+    for got, want in zip(*results):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("split_rows", [16, 32])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_fused_over_several_splits(gen, monkeypatch, side, split_rows):
+    """The reductions (C_K^T V, C_Q^T grad, dL/dL) split over the rows, each split's share summed after: at N = 50,
+    4 splits of one step or 2 of two steps (ROWS = 16), the last one partial; the second sequence padded on the left
+    over 37 rows (whole splits of padding) or on the right over 13."""
+    from linattn.ops.triton import nystrom, nystrom_backward
+    monkeypatch.setattr(nystrom, "ROWS", 16)  # read at call time, by the forward and the backward
+    monkeypatch.setattr(nystrom, "SPLIT_ROWS", split_rows)
+    monkeypatch.setattr(nystrom_backward, "ROWS", 8)
+    q, k, v = inputs(gen, torch.float16, 50)
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[1, :37] = side == "left"
+    mask[1, 37:] = side == "right"
+    check_against_reference(gen, q, k, v, "float16", mask=mask, num_landmarks=12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_with_tf32_products_matches_the_reference(gen, monkeypatch, dtype):
+    """``TF32`` (a tuning choice): the products of unbounded operands rounded to tf32 stay within the tolerances,
+    and the rounding is applied."""
+    q, k, v = inputs(gen, DTYPES[dtype], 19)
+    mask = padding_mask(2, 19, "right", gen)
+    grad = torch.randn(2, 2, 19, 12, generator=gen).to(DTYPES[dtype])
+
+    def values():
+        out = run(q, k, v, "fused", mask=mask)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    exact = values()
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"nystrom_readout": {"TF32": True},
+                                                            "nystrom_rows_grad": {"TF32": True}}))
+    check_against_reference(gen, q, k, v, dtype, mask=mask)
+    assert all(not torch.equal(a, b) for a, b in zip(values(), exact))
+
+
+def test_a_sequence_output_does_not_depend_on_its_batch(gen):
+    """Eval: the landmarks are per sequence and every reduction per head, so a sequence alone gives the same output
+    and gradients as in a batch, bit for bit."""
+    q, k, v = (t.detach() for t in inputs(gen, torch.bfloat16, 21, b=3))
+    mask = padding_mask(3, 21, "left", gen)
+    grad = torch.randn(3, 2, 21, 12, generator=gen).to(torch.bfloat16)
+
+    def values(i):
+        leaves = [t[i].requires_grad_() for t in (q, k, v)]
+        out = run(*leaves, "fused", mask=mask[i])
+        return [out, *torch.autograd.grad(out, leaves, grad[i])]
+
+    for got, want in zip(values(slice(1, 2)), values(slice(None))):
+        assert torch.equal(got, want[1:2])
+
+
+def test_what_the_kernels_cannot_take_runs_parallel():
+    half = torch.randn(1, 2, 100, 8, dtype=torch.float16)
+    assert implementation_for("skyformer", "fused", half, num_landmarks=128) == "fused"
+    assert implementation_for("skyformer", "fused", half, num_landmarks=129) == "parallel"  # d > 128
+    assert implementation_for("skyformer", "fused", half[:, :, :60], num_landmarks=256) == "fused"  # 2N = 120 rows
+    assert implementation_for("skyformer", "fused", half.float()) == "parallel"  # fp32: half inputs only
+    q = half.float()[:, :, :9]
+    assert torch.equal(run(q, q, q, "fused"), run(q, q, q, "parallel"))
+
+
+def test_fused_runs_on_the_meta_device_forward_and_backward():
+    q, k, v = (torch.empty(2, 2, 37, d, dtype=torch.float16, device="meta", requires_grad=True) for d in (20, 20, 12))
+    assert implementation_for("skyformer", "fused", q, v) == "fused"
+    out = run(q, k, v, "fused", mask=torch.zeros(2, 37, dtype=torch.bool, device="meta"))
+    assert out.shape == (2, 2, 37, 12) and out.dtype == torch.float16
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_one_custom_op_each_way_and_a_fixed_op_count(gen):
+    counts = []
+    for n in (16, 64):
+        q, k, v = inputs(gen, torch.float16, n, b=1)
+        with count_dispatch() as c:
+            run(q, k, v, "fused").sum().backward()
+        assert c.ops["nystrom_apply"] == 1 and c.ops["nystrom_apply_backward"] == 1
+        counts.append(c.launched)
+    assert counts[0] == counts[1]
+
+
+def test_compile_fullgraph_sees_one_custom_op(gen):
+    q, k, v = (t.detach() for t in inputs(gen, torch.bfloat16, 19, b=1))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: run(q, k, v, "fused"), fullgraph=True, backend=backend)
+    assert torch.equal(compiled(q, k, v), run(q, k, v, "fused"))
+    target = torch.ops.linattn.nystrom_apply.default
+    assert sum(node.target is target for gm in graphs for node in gm.graph.nodes) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype):
+    q, k, v = inputs(gen, DTYPES[dtype], 300, d=64, dv=64)
+    check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 300, "right", gen), num_landmarks=128)
+
+
+def test_a_sequence_without_a_real_token_gets_zero(gen):
+    q, k, v = inputs(gen, torch.float16, 9)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1] = True
+    out = run(q, k, v, "fused", mask=mask)
+    grads = torch.autograd.grad(out.float().square().sum() + out.sum(), (q, k, v))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+    assert all(torch.isfinite(g).all() and torch.equal(g[1], torch.zeros_like(g[1])) for g in grads)
