@@ -1,6 +1,6 @@
 """The mutants of the fused implementation (Triton kernels, run by the interpreter in the tests); ``dev.mutants``
 lists them with the others."""
-from .mutant import OPS, SKY_FUSED_T, Mutant
+from .mutant import LAVO_FUSED_T, OPS, SKY_FUSED_T, Mutant
 
 M = Mutant
 FUSED_MUTANTS = [
@@ -99,4 +99,30 @@ FUSED_MUTANTS = [
     M("skyformer-fused-supports-rows", OPS + "skyformer/fused.py",
       "min(num_landmarks, 2 * q.shape[2]) <= MAX_LANDMARKS", "num_landmarks <= MAX_LANDMARKS",
       "a short sequence asked for more landmarks than it has rows runs parallel", SKY_FUSED_T),
+    M("triton-lavo-future-key", OPS + "triton/lavo.py", "(rel <= 0) & (rel > -W) if CAUSAL",
+      "(rel <= 1) & (rel > -W) if CAUSAL", "a causal query sees the next key", LAVO_FUSED_T),
+    M("triton-lavo-bias-offset", OPS + "triton/lavo.py", "(2 * W - 1) + rel + W - 1, mask=allowed",
+      "(2 * W - 1) + rel + W, mask=allowed", "the relative bias is read one offset off (P[j - t + w])", LAVO_FUSED_T),
+    M("triton-lavo-memory-padded", OPS + "triton/lavo.py", "tl.sum(tl.where(tok[:, None], xl, 0.0), 0)",
+      "tl.sum(xl, 0)", "padded tokens' local outputs enter the memory", LAVO_FUSED_T),
+    M("triton-lavo-coef", OPS + "triton/lavo.py", "(coef * xl + glob)", "(0.5 * xl + glob)",
+      "a query without memory gets 0.5 F_local instead of F_local", LAVO_FUSED_T),
+    M("triton-lavo-memory-scores", OPS + "triton/lavo.py", "< R, qb * mean[None, :], float",
+      "< R, qb, float", "the memory scores q·B_i miss H_i (q·Xtil_i = H_i q·B_i)",
+      LAVO_FUSED_T),
+    M("triton-lavo-bwd-memory-softmax", OPS + "triton/lavo_backward.py",
+      "dlog = p * (dp - tl.sum(dp * p, 1)[:, None])", "dlog = p * dp",
+      "the memory softmax's backward leaves out the row sum", LAVO_FUSED_T),
+    M("triton-lavo-bwd-dmean", OPS + "triton/lavo_backward.py", "tl.sum(dwgt * p + dlog * qb, 0)",
+      "tl.sum(dlog * qb, 0)", "dL/dH leaves out the read-out's share (p ⊙ H)", LAVO_FUSED_T),
+    M("triton-lavo-bwd-next-window", OPS + "triton/lavo_backward.py", "if step == 0 else (m + 1) * W",
+      "if step == 0 else (m - 1) * W", "window m + 1's rows are recomputed against the wrong keys", LAVO_FUSED_T),
+    M("triton-lavo-bwd-dv-memory", OPS + "triton/lavo_backward.py",
+      "            dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]\n", "",
+      "the values' gradient through the memory (tok dL/d(window sum)) is dropped", LAVO_FUSED_T),
+    M("triton-lavo-bwd-bias-slot", OPS + "triton/lavo_backward.py", "tl.where(hi, key - m * W + BW,",
+      "tl.where(hi, key - m * W,", "the bias' gradient gathers the own window's keys from the previous window's slots",
+      LAVO_FUSED_T),
+    M("lavo-fused-supports-window", OPS + "lavo/fused.py", "and window <= MAX_WINDOW", "",
+      "a window larger than the kernels hold runs fused", LAVO_FUSED_T),
 ]

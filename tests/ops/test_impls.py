@@ -53,7 +53,8 @@ def test_implementation_for_names_the_fallback_of_fused(monkeypatch):
     assert implementation_for("lln", "fused", half.new_empty(1, 1, 4, 256)) == "parallel"  # D > 128
     assert implementation_for("lln", "fused", half, chunk=256) == "parallel"  # C×C held in registers: C <= 128
     assert implementation_for("lln", "fused", half, half.new_empty(1, 1, 4, 8, dtype=torch.bfloat16)) == "parallel"
-    assert implementation_for("lavo", "fused", half) == "parallel"  # no lavo/fused.py
+    assert implementation_for("kernelized", "fused", half) == "parallel"  # no kernelized/fused.py
+    assert implementation_for("lavo", "fused", half) == "fused" != implementation_for("lavo", "fused", half, window=128)
     assert implementation_for("lln_diag", "fused", half) == "fused"  # both parts' kernels take it
     assert implementation_for("lln_diag", "fused", half, chunk=256) == "parallel"  # LLN's kernels do not
     assert implementation_for("lln_diag", "fused", half, block=256) == "parallel"  # the block softmax's do not

@@ -216,12 +216,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from linattn.ops.triton import (block_softmax, lln_causal, lln_causal_backward, lln_key_max, lln_noncausal,
-                                lln_noncausal_backward, nystrom, nystrom_backward)
+                                lln_noncausal_backward, nystrom, nystrom_backward, lavo, lavo_backward)
 from linattn.ops.triton.common import launch
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 only adds minutes of compiling
-    half, sizes = HALF[name], dict(BD=d, BDV=d)
+    half, sizes = HALF[name], dict(BD=d, BDV=d, BR=d)
+    window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True)
     kernels = [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
                (lln_causal._states, "lln_causal_states", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
                (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
@@ -242,7 +243,10 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                (nystrom._readout, "nystrom_readout", dict(BLOCK=64, BL=128, HALF_TY=half, EMULATE=False,
                                                           HAS_MASK=True)),
                (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BLOCK=32, BL=128, HALF_TY=half,
-                                                                       EMULATE=False, HAS_MASK=True, KEYS=True))]
+                                                                       EMULATE=False, HAS_MASK=True, KEYS=True)),
+               (lavo._local, "lavo_local", window), (lavo._memory, "lavo_memory", window),
+               (lavo_backward._memory_grad, "lavo_memory_grad", window),
+               (lavo_backward._local_grad, "lavo_local_grad", window)]
     variants = [(k, {}) for k in kernels]  # at LAUNCH's settings; fp16 at 64 also with tf32 and half-width walks
     if (name, d) == ("fp16", 64):
         variants += [(k, {"WIDE": 1}) for k in kernels if "WIDE" in launch(k[1], d)]
@@ -251,10 +255,11 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
         settings = {**launch(key, d), **change}
         params = inspect.signature(kernel.fn).parameters
         consts = {p: v for p, v in {**sizes, **consts, **settings}.items() if p in params}
-        half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr") + (
+        half_ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr",
+                     "bases_ptr") + (
             () if key == "block_softmax_backward" else ("dq_ptr", "dk_ptr", "dv_ptr"))  # its gradients are fp32
-        floats = ("scale", "sm_scale", "s")
-        types = {p: "constexpr" if p in consts else ("*" + name if p in half_ptrs else "*u8" if p == "mask_ptr" else
+        floats, masks = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
+        types = {p: "constexpr" if p in consts else ("*" + name if p in half_ptrs else "*u8" if p in masks else
                  "*fp32" if p.endswith("_ptr") else "fp32" if p in floats else "i32") for p in params}
         options = {k: settings[k] for k in ("num_warps", "num_stages")}
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
@@ -274,7 +279,7 @@ def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 53  # 14 kernels x 3, 9 with tf32, 2 with BV = 32
+    assert len(run.stdout.splitlines()) == 68  # 18 kernels x 3, 12 with tf32, 2 with BV = 32
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

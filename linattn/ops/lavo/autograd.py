@@ -1,7 +1,7 @@
 """LAVO self-attention as an autograd op: q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D).
 
 One autograd Function, ``_LAVO``, runs the implementation ``impl`` names (``IMPLEMENTATIONS``: ``looped.py``,
-``parallel.py``, each with ``inputs``, ``forward`` and ``backward`` over ``LavoInputs``; the backwards are
+``parallel.py``, ``fused.py``, each with ``inputs``, ``forward`` and ``backward`` over ``LavoInputs``; the backwards are
 hand-written).
 """
 from typing import Optional
@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import resolve_impl
+from ..impls import implementation_for
 from ..precision import autocast_off, function_output
-from . import looped, parallel
+from . import fused, looped, parallel
 from .inputs import LAVO_TENSORS, LavoInputs, check_lavo
 
-IMPLEMENTATIONS = {"looped": looped, "parallel": parallel}
+IMPLEMENTATIONS = {"looped": looped, "parallel": parallel, "fused": fused}
 
 
 class _LAVO(torch.autograd.Function):
@@ -45,9 +45,10 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     blocks of w queries against (previous + own) window with a band mask; the causal memory is an
     exclusive cumulative sum over windows of sum_t B x_t and of the token counts. ``impl`` (``impls.resolve_impl``):
     ``looped`` holds, beyond the inputs, the output, the gradients and working-size temporaries;
-    ``parallel`` all windows at once, (B,H,N,K) temporaries, K = 2w causal, w otherwise.
+    ``parallel`` all windows at once, (B,H,N,K) temporaries, K = 2w causal, w otherwise; ``fused`` Triton kernels
+    (half inputs and bases, w <= 64; ``fused.supports``, else ``parallel``).
     """
     w, key_padding_mask = check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
-    impl = resolve_impl(impl, q.device)
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, window=w, bases_dtype=bases.dtype)  # fused: inputs it takes
     x = IMPLEMENTATIONS[impl].inputs(q, k, v, bases, pos_bias, key_padding_mask, w, causal)
     return _LAVO.apply(impl, *x).to(q.dtype)

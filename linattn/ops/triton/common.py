@@ -19,7 +19,7 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 # products of unbounded fp32 operands on tensor cores in tf32 instead of exact fp32 FMAs; ``wide_dot``), from
 # ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
 # on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
-# The Nyström kernels' settings are first choices, not yet tuned on a GPU.
+# The Nyström and LAVO kernels' settings are first choices, not yet tuned on a GPU.
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
@@ -34,7 +34,11 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=False),
           "nystrom_state": dict(num_warps=4, num_stages=2),
           "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=False),
-          "nystrom_rows_grad": dict(num_warps=8, num_stages=1, TF32=False)}
+          "nystrom_rows_grad": dict(num_warps=8, num_stages=1, TF32=False),
+          "lavo_local": dict(num_warps=4, num_stages=1),
+          "lavo_memory": dict(num_warps=4, num_stages=1, TF32=False),
+          "lavo_memory_grad": dict(num_warps=4, num_stages=1, TF32=False),
+          "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=False)}
 
 
 def launch(kernel: str, d: int, dv: int = 0) -> dict:

@@ -1,0 +1,49 @@
+"""LAVO's fused implementation: Triton kernels registered as custom ops (``ops/triton/lavo.py``,
+``ops/triton/lavo_backward.py``; docs/design.md §1.3.1), forward and backward.
+
+``inputs`` gives q, k, v and the bases in their own half dtype, the relative bias P (H,2w-1) in fp32 (autograd
+carries its gradient back to the parameter), tok (B,nw*w) fp32 and valid (B,nw*w) uint8, the real tokens. The
+memory's means stay torch ops (``memory.py``) inside the custom ops. ``supports`` says which inputs the kernels take;
+others run ``parallel``.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
+from ..precision import compute_dtype
+from .inputs import LavoInputs, window_valid
+
+MAX_WINDOW = 64  # the largest window: a program holds its (w, 2w) scores and probabilities in registers
+
+
+def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether the kernels take queries like q (B,H,N,D), values like v, windows of ``window`` tokens and bases of
+    ``bases_dtype``: half inputs of one dtype (the bases too: they meet q and the gradient on tensor cores), D <=
+    MAX_HEAD_DIM, window <= MAX_WINDOW, fewer than 2^31 elements each."""
+    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and bases_dtype in (None, q.dtype)
+            and q.shape[-1] <= MAX_HEAD_DIM and window <= MAX_WINDOW and max(q.numel(), v.numel()) <= MAX_ELEMENTS)
+
+
+def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],
+           window: int, causal: bool) -> LavoInputs:
+    """q, k, v, bases as given; P (H,2w-1) fp32 under autograd; the real tokens as tok (fp32) and valid (uint8)."""
+    valid = window_valid(q, window, key_padding_mask)
+    return LavoInputs(q, k, v, bases, pos_bias.to(compute_dtype(q)), valid.to(compute_dtype(q)),
+                      valid=valid.to(torch.uint8), causal=causal)
+
+
+def forward(x: LavoInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor, Tensor]]:
+    """0.5 (F_local + F_global) (B,H,N,D) in q's dtype, and the window sums of F_local, the memory's means and
+    F_local's weights (fp32) for ``backward``."""
+    from ..triton.lavo import lavo
+    out, win, mean, coef = lavo(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, x.causal)
+    return out, (win, mean, coef)
+
+
+def backward(x: LavoInputs, saved: Tuple[Tensor, Tensor, Tensor], grad: Tensor) -> LavoInputs:
+    """dq, dk, dv, dbases in their inputs' dtype and dP (H,2w-1) fp32."""
+    from ..triton.lavo_backward import lavo_backward
+    dq, dk, dv, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, grad, *saved, x.causal)
+    return LavoInputs(q=dq, k=dk, v=dv, bases=dbases, bias=dbias)

@@ -1,0 +1,162 @@
+"""LAVO self-attention (LAVO §3; docs/design.md §6) in two kernels around the memory's small torch ops, as the
+custom op ``linattn::lavo``.
+
+``_local``, grid (nw, B*H): window m's queries against the keys they may see, in registers: scores on tensor cores
+from the half q and k, plus the relative bias P[j - t + w - 1] (§3.3), softmax over the allowed keys, F_local = p V
+on tensor cores (p <= 1), stored in fp32 with the window's sum over its real tokens. The memory's means H (eq. 3:
+an exclusive cumulative sum over the windows if causal, the total if not) are ``memory.memory_mean``'s torch ops on
+the (B,H,nw,D) sums. ``_memory``, grid (nw, B*H): F_global = softmax(q B^T ⊙ H / sqrt(D)) (H ⊙ B) (eq. 4) and the
+output 0.5 (F_local + F_global) (F_local alone without memory), in q's dtype.
+
+The keys of a window sit in 2 BW slots (BW = the window's block): slots [0, BW) from position ``lo``, slots
+[BW, 2 BW) from ``hi``; causal, the query window m's keys are its previous window (lo) and its own (hi), non-causal
+its own (hi) alone. The backward reads them in another order (``lavo_backward``), so a key's bias and mask come from
+its position, never from its slot.
+"""
+import math
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..lavo.memory import memory_mean
+from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
+
+
+@triton.jit
+def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, HAS_LO: tl.constexpr):
+    """The 2 BW key slots: their positions (slots [0, BW) from ``lo`` if HAS_LO, [BW, 2 BW) from ``hi``; W of each
+    half in use) and whether each holds a real key (inside the sequence, not padded; valid (B, NT) uint8)."""
+    j = tl.arange(0, 2 * BW)
+    low = j < BW
+    pos = tl.where(low, lo + j, hi + j - BW)
+    used = tl.where(low, HAS_LO & (j < W), (j - BW) < W)
+    inside = used & (pos >= 0) & (pos < N)
+    real = inside & (tl.load(valid_ptr + (pid // H) * NT + pos, mask=inside, other=0) != 0)
+    return pos, real
+
+
+@triton.jit
+def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo, hi, D, scale, BW: tl.constexpr,
+                 BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query window ``qw`` of head ``pid`` against the key slots (``key_rows``): its queries' positions t (BW,) and
+    q (BW, BD) half, the keys' positions and real flags (2 BW,), k (2 BW, BD) half and p (BW, 2 BW) fp32, the window
+    softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
+    allowed key."""
+    i = tl.arange(0, BW)
+    d = tl.arange(0, BD)
+    t = qw * W + i
+    q_in = (i < W) & (t < N)
+    q = tl.load(q_ptr + pid * N * D + t[:, None] * D + d[None, :], mask=q_in[:, None] & (d[None, :] < D), other=0.0)
+    pos, real = key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW, CAUSAL)
+    k = tl.load(k_ptr + pid * N * D + pos[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
+                other=0.0)
+    rel = pos[None, :] - t[:, None]
+    band = (rel <= 0) & (rel > -W) if CAUSAL else (pos[None, :] // W) == qw  # keys t-w+1..t, or the own window
+    allowed = band & real[None, :] & q_in[:, None]
+    bias = tl.load(bias_ptr + (pid % H) * (2 * W - 1) + rel + W - 1, mask=allowed, other=0.0)
+    s = tl.where(allowed, half_dot(q, tl.trans(k), HALF_TY, EMULATE) * scale + bias, float("-inf"))
+    top = tl.max(s, 1)
+    seen = top > float("-inf")
+    e = tl.exp(s - tl.where(seen, top, 0.0)[:, None])  # exp(-inf) = 0 off the allowed keys
+    p = e / tl.where(seen, tl.sum(e, 1), 1.0)[:, None]
+    return t, q_in, q, pos, real, k, p
+
+
+@triton.jit
+def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, xl_ptr, win_ptr, H, N, NT, NW, W, D, scale, BW: tl.constexpr,
+           BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Window m of head ``pid``: F_local (BW, BD) stored fp32, and its sum over the window's real tokens."""
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
+    d = tl.arange(0, BD)
+    t, q_in, _, pos, real, _, p = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, m, (m - 1) * W,
+                                               m * W, D, scale, BW, BD, HALF_TY, EMULATE, CAUSAL)
+    v = tl.load(v_ptr + pid * N * D + pos[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
+                other=0.0)
+    xl = half_dot(p, v, HALF_TY, EMULATE)
+    tl.store(xl_ptr + pid * N * D + t[:, None] * D + d[None, :], xl, mask=q_in[:, None] & (d[None, :] < D))
+    tok = q_in & (tl.load(valid_ptr + (pid // H) * NT + t, mask=q_in, other=0) != 0)
+    tl.store(win_ptr + (pid * NW + m) * D + d, tl.sum(tl.where(tok[:, None], xl, 0.0), 0), mask=d < D)
+
+
+@triton.jit
+def load_bases(bases_ptr, pid, H, R, D, BR: tl.constexpr, BD: tl.constexpr):
+    """The bases (BR, BD) of head ``pid`` (B*H order) as stored (H, R, D), 0 outside."""
+    r = tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    inside = (r[:, None] < R) & (d[None, :] < D)
+    return tl.load(bases_ptr + (pid % H) * R * D + r[:, None] * D + d[None, :], mask=inside, other=0.0)
+
+
+@triton.jit
+def memory_probs(q, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
+    """q B^T / sqrt(D) (rows, BR) on tensor cores from the half q and bases, and the memory softmax
+    p = softmax(q B^T ⊙ H / sqrt(D)) over the r bases (LAVO eq. 4; q·Xtil_i = H_i q·B_i)."""
+    qb = half_dot(q, tl.trans(bases), HALF_TY, EMULATE) * scale
+    s = tl.where(tl.arange(0, BR)[None, :] < R, qb * mean[None, :], float("-inf"))
+    e = tl.exp(s - tl.max(s, 1)[:, None])
+    return qb, e / tl.sum(e, 1)[:, None]
+
+
+@triton.jit
+def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, H, N, NW, W, R, D, scale, BW: tl.constexpr,
+            BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+            CAUSAL: tl.constexpr, WIDE: tl.constexpr):
+    """Window m of head ``pid``: out = coef F_local + 0.5 (p ⊙ H) B (eq. 4) in q's dtype; coef = 0.5 with a
+    memory, 1 without (then H = 0)."""
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
+    i = tl.arange(0, BW)
+    d = tl.arange(0, BD)
+    r = tl.arange(0, BR)
+    t = m * W + i
+    rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
+    q = tl.load(q_ptr + pid * N * D + t[:, None] * D + d[None, :], mask=rows, other=0.0)
+    bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
+    at = pid * NW + m if CAUSAL else pid  # the window's memory, or the sequence's
+    mean = tl.load(mean_ptr + at * R + r, mask=r < R, other=0.0)
+    coef = tl.load(coef_ptr + (pid // H) * NW + m) if CAUSAL else tl.load(coef_ptr + pid // H)
+    _, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
+    glob = wide_dot(p * (0.5 * mean)[None, :], bases.to(tl.float32), WIDE)
+    xl = tl.load(xl_ptr + pid * N * D + t[:, None] * D + d[None, :], mask=rows, other=0.0)
+    tl.store(out_ptr + pid * N * D + t[:, None] * D + d[None, :], (coef * xl + glob).to(out_ptr.dtype.element_ty),
+             mask=rows)
+
+
+def window_of(pos_bias: Tensor) -> int:
+    """w from the relative bias (H, 2w - 1)."""
+    return (pos_bias.shape[1] + 1) // 2
+
+
+@torch.library.custom_op("linattn::lavo", mutates_args=())
+def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
+         causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v (B,H,N,D) and bases (H,r,D) half, one dtype; pos_bias (H,2w-1) fp32; valid (B,nw*w) uint8 and tok
+    (B,nw*w) fp32, the real tokens -> out (B,H,N,D) in q's dtype, and for the backward the window sums of F_local
+    (B,H,nw,D) and the memory's means and F_local's weights (``memory.memory_mean``), fp32."""
+    b, h, n, d = q.shape
+    w, r = window_of(pos_bias), bases.shape[1]
+    nw = tok.shape[1] // w
+    q, k, v, bases, pos_bias, valid = (t.contiguous() for t in (q, k, v, bases, pos_bias, valid))
+    xl = q.new_empty(q.shape, dtype=torch.float32)  # F_local
+    win = q.new_empty((b, h, nw, d), dtype=torch.float32)
+    sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal)
+    _local[(nw, b * h)](q, k, v, pos_bias, valid, xl, win, h, n, valid.shape[1], nw, w, d, 1 / math.sqrt(d),
+                        **sizes, **launch("lavo_local", d))
+    mean, coef, _ = memory_mean(win, bases.float(), tok.view(b, nw, w), causal)
+    out = torch.empty_like(q)
+    _memory[(nw, b * h)](q, bases, mean.contiguous(), coef.contiguous(), xl, out, h, n, nw, w, r, d, 1 / math.sqrt(d),
+                         BR=block(r), **sizes, **launch("lavo_memory", d))
+    return out, win, mean, coef
+
+
+@lavo.register_fake
+def _(q, k, v, bases, pos_bias, valid, tok, causal):
+    b, h, _, d = q.shape
+    nw = tok.shape[1] // window_of(pos_bias)
+    f32 = dict(dtype=torch.float32)
+    mean = q.new_empty((b, h, nw, bases.shape[1]) if causal else (b, h, bases.shape[1]), **f32)
+    return torch.empty_like(q), q.new_empty((b, h, nw, d), **f32), mean, q.new_empty((b, nw) if causal else (b,), **f32)

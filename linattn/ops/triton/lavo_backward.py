@@ -1,0 +1,147 @@
+"""The backward of LAVO self-attention (LAVO §3; docs/design.md §6), the custom op ``linattn::lavo_backward``: the
+parallel implementation's backward (``lavo/parallel.backward``) with both softmaxes recomputed in registers.
+
+``_memory_grad``, grid (B*H, cdiv(nw, SPLIT_WINDOWS)): per window the memory softmax's backward (eq. 4): dL/dq from
+F_global (stored fp32), dL/dH per window, and each split's share of dL/dB, summed after (no atomics). The memory's
+small torch ops (``memory.memory_mean_grad``) turn dL/dH into dL/d(window sums of F_local) and add the bases' share
+through the sums. ``_local_grad``, grid (nw, B*H): window m's queries (dq, the bias' share) and window m's keys
+(dk, dv): their contributions come from query window m and, causal, from window m + 1, whose rows the program
+recomputes whole (the softmax needs every key a query sees); window m's keys sit in the slots [BW, 2 BW) in both.
+dL/dF_local = coef grad + tok dL/d(window sum) is never stored: dp = coef grad v^T (tensor cores, both half) + tok
+(v·dL/d(sum)).
+"""
+import math
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..lavo.memory import memory_mean_grad
+from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
+from .lavo import load_bases, memory_probs, window_of, window_probs
+
+SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
+
+
+@triton.jit
+def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_ptr, H, N, NW, W, R, D, SPLIT, scale,
+                 BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr,
+                 EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr):
+    """One split of windows of one head: per window dL/dq of 0.5 F_global (fp32) and dL/dH (BR,); part (R, D) =
+    the split's share of dL/dB."""
+    pid = tl.program_id(0)
+    i = tl.arange(0, BW)
+    d = tl.arange(0, BD)
+    r = tl.arange(0, BR)
+    bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
+    wide_bases = bases.to(tl.float32)
+    db = tl.zeros((BR, BD), tl.float32)
+    first = tl.program_id(1) * SPLIT
+    for m in range(first, tl.minimum(first + SPLIT, NW)):
+        t = m * W + i
+        rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
+        at = pid * N * D + t[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + at, mask=rows, other=0.0)
+        g = tl.load(grad_ptr + at, mask=rows, other=0.0)
+        mean = tl.load(mean_ptr + (pid * NW + m if CAUSAL else pid) * R + r, mask=r < R, other=0.0)
+        qb, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
+        dwgt = 0.5 * half_dot(g, tl.trans(bases), HALF_TY, EMULATE)  # dL/d(p ⊙ H)
+        dp = dwgt * mean[None, :]
+        dlog = p * (dp - tl.sum(dp * p, 1)[:, None])  # the memory logits' gradient
+        tl.store(dmean_ptr + (pid * NW + m) * R + r, tl.sum(dwgt * p + dlog * qb, 0), mask=r < R)
+        dqb = dlog * mean[None, :]
+        tl.store(dqg_ptr + at, wide_dot(dqb, wide_bases, WIDE) * scale, mask=rows)
+        db += 0.5 * wide_dot(tl.trans(p * mean[None, :]), g.to(tl.float32), WIDE)
+        db += wide_dot(tl.trans(dqb), q.to(tl.float32) * scale, WIDE)
+    at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * R * D  # part (B, H, splits, R, D)
+    tl.store(at + r[:, None] * D + d[None, :], db, mask=(r[:, None] < R) & (d[None, :] < D))
+
+
+@triton.jit
+def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dwin_ptr, dqg_ptr, dq_ptr, dk_ptr,
+                dv_ptr, dbias_ptr, H, N, NT, NW, W, D, scale, BW: tl.constexpr, BD: tl.constexpr,
+                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr):
+    """Window m of head ``pid``: dq of its queries (with F_global's share, dqg), the relative bias' share of its
+    queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype."""
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
+    j = tl.arange(0, 2 * BW)
+    d = tl.arange(0, BD)
+    own = (j >= BW)[None, :]  # window m's keys, in both steps
+    dk = tl.zeros((2 * BW, BD), tl.float32)
+    dv = tl.zeros((2 * BW, BD), tl.float32)
+    for step in tl.static_range(2 if CAUSAL else 1):
+        qw = m + step
+        if qw < NW:
+            lo = (m - 1) * W if step == 0 else (m + 1) * W  # window m's previous window, or window m + 1 itself
+            t, q_in, q, pos, real, k, p = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo,
+                                                       m * W, D, scale, BW, BD, HALF_TY, EMULATE, CAUSAL)
+            v = tl.load(v_ptr + pid * N * D + pos[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
+                        other=0.0)
+            rows = q_in[:, None] & (d[None, :] < D)
+            g = tl.load(grad_ptr + pid * N * D + t[:, None] * D + d[None, :], mask=rows, other=0.0)
+            coef = tl.load(coef_ptr + (pid // H) * NW + qw) if CAUSAL else tl.load(coef_ptr + pid // H)
+            dwin = tl.load(dwin_ptr + (pid * NW + qw if CAUSAL else pid) * D + d, mask=d < D, other=0.0)
+            tok = tl.where(q_in & (tl.load(valid_ptr + (pid // H) * NT + t, mask=q_in, other=0) != 0), 1.0, 0.0)
+            # dL/dF_local = coef grad + tok dwin, so dp = coef grad v^T + tok (v·dwin)
+            vd = tl.sum(v.to(tl.float32) * dwin[None, :], 1)
+            dp = coef * half_dot(g, tl.trans(v), HALF_TY, EMULATE) + tok[:, None] * vd[None, :]
+            ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # the window softmax's backward
+            if step == 0:
+                at = pid * N * D + t[:, None] * D + d[None, :]
+                dq = tl.load(dqg_ptr + at, mask=rows, other=0.0) + wide_dot(ds, k.to(tl.float32), WIDE) * scale
+                tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=rows)
+                # the bias P[o] gets ds[i, key at t_i + o - w + 1]: the slots of that key, gathered per row
+                o = tl.arange(0, 2 * BW)
+                key = t[:, None] + o[None, :] - W + 1
+                hi = (key >= m * W) & (key < m * W + W)
+                low = CAUSAL & (key >= lo) & (key < lo + W)
+                slot = tl.where(hi, key - m * W + BW, tl.where(low, key - lo, 0))
+                per = tl.sum(tl.where(hi | low, tl.gather(ds, slot, 1), 0.0), 0)
+                tl.store(dbias_ptr + (pid * NW + m) * (2 * W - 1) + o, per, mask=o < 2 * W - 1)
+            p_own = tl.where(own, p, 0.0)
+            dv += coef * half_dot(tl.trans(p_own), g, HALF_TY, EMULATE)
+            dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]
+            dk += wide_dot(tl.trans(tl.where(own, ds, 0.0)), q.to(tl.float32), WIDE) * scale
+    pos = m * W + j - BW
+    keys = ((j >= BW) & (j - BW < W) & (pos < N))[:, None] & (d[None, :] < D)
+    at = pid * N * D + pos[:, None] * D + d[None, :]
+    tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys)
+    tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
+
+
+@torch.library.custom_op("linattn::lavo_backward", mutates_args=())
+def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
+                  grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
+                  causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B,H,N,D) and dbases (H,r,D) in the inputs' dtype, dpos_bias (H,2w-1) fp32, from dL/d(out)
+    ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef)."""
+    b, h, n, d = q.shape
+    w, r = window_of(pos_bias), bases.shape[1]
+    nw = tok.shape[1] // w
+    q, k, v, bases, pos_bias, valid = (t.contiguous() for t in (q, k, v, bases, pos_bias, valid))
+    grad = grad.to(q.dtype).contiguous()
+    sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal)
+    dqg = q.new_empty(q.shape, dtype=torch.float32)  # dL/dq from F_global
+    dmean = q.new_empty((b, h, nw, r), dtype=torch.float32)
+    splits = triton.cdiv(nw, SPLIT_WINDOWS)
+    part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
+    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), dqg, dmean, part, h, n, nw, w, r, d,
+                                  SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
+                                  **launch("lavo_memory_grad", d))
+    dbases = part.sum((0, 2))
+    dwin = memory_mean_grad(dmean if causal else dmean.sum(2), win, bases.float(), dbases, tok.view(b, nw, w), causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = q.new_empty((b, h, nw, 2 * w - 1), dtype=torch.float32)
+    _local_grad[(nw, b * h)](q, k, v, grad, pos_bias, valid, coef.contiguous(), dwin.contiguous(), dqg, dq, dk, dv,
+                             dbias, h, n, valid.shape[1], nw, w, d, 1 / math.sqrt(d), **sizes,
+                             **launch("lavo_local_grad", d))
+    return dq, dk, dv, dbases.to(bases.dtype), dbias.sum((0, 2))
+
+
+@lavo_backward.register_fake
+def _(q, k, v, bases, pos_bias, valid, tok, grad, win, mean, coef, causal):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(bases),
+            pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))
