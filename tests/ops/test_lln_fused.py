@@ -247,9 +247,9 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                (lavo._local, "lavo_local", window), (lavo._memory, "lavo_memory", window),
                (lavo_backward._memory_grad, "lavo_memory_grad", window),
                (lavo_backward._local_grad, "lavo_local_grad", window)]
-    variants = [(k, {}) for k in kernels]  # at LAUNCH's settings; fp16 at 64 also with tf32 and half-width walks
+    variants = [(k, {}) for k in kernels]  # at LAUNCH's settings; fp16 at 64 also with tf32(x3), half-width walks
     if (name, d) == ("fp16", 64):
-        variants += [(k, {"WIDE": 1}) for k in kernels if "WIDE" in launch(k[1], d)]
+        variants += [(k, {"WIDE": w}) for w in (1, 3) for k in kernels if "WIDE" in launch(k[1], d)]
         variants += [(k, {"BV": 32}) for k in kernels if "BV" in launch(k[1], d)]
     for (kernel, key, consts), change in variants:
         settings = {**launch(key, d), **change}
@@ -264,22 +264,28 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
         options = {k: settings[k] for k in ("num_warps", "num_stages")}
         compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, d, compiled.metadata.shared)
-        print(name, d, kernel.fn.__name__, change, compiled.metadata.shared, flush=True)
+        fits = compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
+        assert fits or change, (key, d, compiled.metadata.shared)  # LAUNCH's own settings always fit
+        print(name, d, key, change, compiled.metadata.shared, "fits" if fits else "over", flush=True)
 """
 
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas():
     """Without a GPU: each kernel through Triton's whole pipeline to an sm_90 binary (its bundled ptxas), fp16 at
-    D = Dv = 64 and 128, bf16 at 64 (fp16 at 64 also with tf32 products and walks split over value columns), within
+    D = Dv = 64 and 128, bf16 at 64 (fp16 at 64 also with tf32 and tf32x3 products and walks split over value
+    columns), within
     an H100's shared memory per block (the interpreter checks no GPU rule); minutes on 2 cores without Triton's
     cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env,
                          timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert len(run.stdout.splitlines()) == 68  # 18 kernels x 3, 12 with tf32, 2 with BV = 32
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("fp16", "bf16"))]
+    assert len(lines) == 80  # 18 kernels x 3, 12 with tf32 and 12 with tf32x3, 2 with BV = 32
+    # a tuning candidate over the limit fails to launch there (the tuner skips it): only tf32x3's split operands in
+    # the Nyström backward
+    assert [line.split()[2:5] for line in lines if line.endswith("over")] == [["nystrom_rows_grad", "{'WIDE':", "3}"]]
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

@@ -16,7 +16,8 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
 # over the chunks (BV at most Dv's block: the whole of it), TF32: the
-# products of unbounded fp32 operands on tensor cores in tf32 instead of exact fp32 FMAs; ``wide_dot``), from
+# products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs
+# (false); ``wide_dot``), from
 # ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
 # on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
 # The Nyström and LAVO kernels' settings are first choices, not yet tuned on a GPU.
@@ -41,10 +42,14 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=False)}
 
 
+# A kernel's TF32 setting -> its ``wide_dot`` WIDE (one more under Triton's interpreter: the rounding emulated)
+TF32_SETTINGS = {False: 0, True: 1, "x3": 3}
+
+
 def launch(kernel: str, d: int, dv: int = 0) -> dict:
     """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d (value size dv, default d): BF and BV
-    at most d's and dv's block; TF32 as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 2 tf32 emulated
-    under Triton's interpreter)."""
+    at most d's and dv's block; TF32 (false, true or "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32,
+    1 tf32, 3 tf32x3; 2 and 4 the same emulated under Triton's interpreter)."""
     settings = {**LAUNCH[kernel], **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
@@ -52,7 +57,10 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
         settings["BV"] = min(settings["BV"], block(dv or d))
     if "TF32" in settings:
         tf32 = settings.pop("TF32")
-        settings["WIDE"] = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if tf32 else 0
+        if tf32 not in TF32_SETTINGS:
+            raise ValueError(f"{kernel}: TF32 must be false, true or \"x3\", got {tf32!r}")
+        wide = TF32_SETTINGS[tf32]
+        settings["WIDE"] = wide + 1 if wide and os.environ.get("TRITON_INTERPRET") == "1" else wide
     return settings
 
 
@@ -82,12 +90,22 @@ def half_dot(a, b, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def wide_dot(a, b, WIDE: tl.constexpr):
     """a (M,K) @ b (K,N) of unbounded fp32 operands (output gradients, states) in fp32: WIDE 0, exact products (FMA
-    units); 1, both rounded to tf32 (10-bit mantissa, fp32's range) on tensor cores; 2, the same rounding under the
-    interpreter (which multiplies a tf32 ``tl.dot`` in fp32), the rounded products exact in fp32."""
+    units); 1, both rounded to tf32 (10-bit mantissa, fp32's range) on tensor cores; 3, tf32x3: each operand split
+    into its tf32 rounding and the tf32 rounding of the rest, three tensor-core products (big·big + big·small +
+    small·big), close to fp32's accuracy; 2 and 4, the same roundings under the interpreter (which multiplies a
+    tf32 ``tl.dot`` in fp32), each rounded product exact in fp32."""
     if WIDE == 1:
         return tl.dot(a, b, input_precision="tf32")
     if WIDE == 2:
         return tl.dot(_round_tf32(a), _round_tf32(b), input_precision="ieee")
+    if WIDE == 3:
+        return tl.dot(a, b, input_precision="tf32x3")
+    if WIDE == 4:
+        a_big = _round_tf32(a)
+        b_big = _round_tf32(b)
+        small = tl.dot(a_big, _round_tf32(b - b_big), input_precision="ieee")
+        small += tl.dot(_round_tf32(a - a_big), b_big, input_precision="ieee")
+        return small + tl.dot(a_big, b_big, input_precision="ieee")
     return tl.dot(a, b, input_precision="ieee")
 
 
