@@ -26,11 +26,12 @@ ones with the last eighth of one sequence padded. Each (dtype, N) point runs in 
 --cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
 [DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran)
 and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [both].
---tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 check, then the launch settings of
-LLN's kernels; capped at SECONDS) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
-settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_lln*.txt, the profiler's kernel table of the
-fused LLN step at N = 4096, both causalities. --quick: the CPU, float32, N = 32 and 64, one step each (checks that
-the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about 6 minutes.
+--tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 checks, then the launch settings
+of the kernels, LLN's first, then the block softmax's, Skyformer's and LAVO's; capped at SECONDS: what it found by
+then counts) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the settings it found
+(LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.txt, the profiler's kernel table of the step at
+N = 4096 for LLN (both causalities), LAVO causal, Skyformer and LLN+Diag. --quick: the CPU, float32, N = 32 and 64,
+one step each (checks that the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about 7 minutes.
 USAGE
       exit 0 ;;
     --out) OUT="$2"; shift 2 ;;
@@ -69,10 +70,11 @@ for dtype in "${DTYPES[@]}"; do
   done
 done
 if [ "$PROFILE" = 1 ]; then
-  for causal in "" --causal; do
-    timeout "$CAP" "$PY" -m linattn_tools.benchmark.profile_step --method lln $causal "${PROFILE_ARGS[@]}" \
-      --impl "$IMPL" --dtype "${DTYPES[0]}" --out "$OUT/profile_lln${causal:+_causal}.txt" >/dev/null \
-      || failed+=("profile lln $causal")
+  for case in "lln" "lln --causal" "lavo --causal" "skyformer" "lln_diag"; do
+    read -r method causal <<< "$case"
+    timeout "$CAP" "$PY" -m linattn_tools.benchmark.profile_step --method "$method" $causal "${PROFILE_ARGS[@]}" \
+      --impl "$IMPL" --dtype "${DTYPES[0]}" --out "$OUT/profile_${method}${causal:+_causal}.txt" >/dev/null \
+      || failed+=("profile $case")
   done
 fi
 shopt -s nullglob

@@ -26,8 +26,9 @@ def test_profile_step_prints_the_step_table_on_the_cpu():
 
 @pytest.mark.slow
 def test_tune_fused_checks_and_searches_under_the_interpreter(monkeypatch):
-    """The tuner's float64 check passes and its greedy search keeps, per kernel, the best of the settings it
-    timed, each checked first (here on CPU tensors, tiny shapes, one candidate a kernel, tf32 emulated)."""
+    """The tuner's float64 checks pass for every family and its greedy search keeps, per kernel, the best of the
+    settings it timed, each checked first (here on CPU tensors, tiny shapes, one candidate a kernel of each family,
+    tf32 and tf32x3 emulated)."""
     pytest.importorskip("triton", minversion="3.9")
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from linattn.ops.triton import lln_noncausal
@@ -37,14 +38,18 @@ def test_tune_fused_checks_and_searches_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", "{}")  # and its best settings here: both restored after the test
     monkeypatch.setattr(tune_fused, "SHAPES", ((1, 70),))
     monkeypatch.setattr(tune_fused, "CHECK_N", 77)
-    monkeypatch.setattr(tune_fused, "CANDIDATES", {"lln_causal_grads": [dict(num_warps=4)],
-                                                   "lln_noncausal_readout": [tune_fused.TF32]})
+    candidates = {"lln_causal_grads": [dict(num_warps=4)], "lln_noncausal_readout": [tune_fused.TF32],
+                  "block_softmax_backward": [tune_fused.TF32X3], "nystrom_readout": [tune_fused.TF32X3],
+                  "lavo_local_grad": [tune_fused.TF32]}
+    monkeypatch.setattr(tune_fused, "CANDIDATES", candidates)
     monkeypatch.setattr(tune_fused, "SPLITS", (64,))
     cpu = torch.device("cpu")
-    checks = tune_fused.check(torch.float16, cpu)
-    assert all(r["out"] <= r["tolerance"] and r["grads"] <= r["grad_tolerance"] for r in checks) and len(checks) == 2
+    for family, causalities in (("lln", 2), ("block", 2), ("skyformer", 1), ("lavo", 2)):
+        checks = tune_fused.check(torch.float16, cpu, family)
+        assert all(r["out"] <= r["tolerance"] and r["grads"] <= r["grad_tolerance"] for r in checks)
+        assert len(checks) == causalities
     best, rows = tune_fused.search(torch.float16, cpu, repeats=1)
-    for kernel in ("lln_causal_grads", "lln_noncausal_readout"):
+    for kernel in candidates:
         timed = [r for r in rows if r["kernel"] == kernel]
         assert len(timed) == 2 and all(r["accurate"] for r in timed)
         assert best[kernel] == min(timed, key=lambda r: r["ms"])["settings"]
