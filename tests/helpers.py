@@ -1,5 +1,9 @@
 """What the tests share (fixtures and pytest options are in conftest.py): the repository root, error measures,
-padding masks, fairseq's layout, a value-and-gradient comparison, and a probe of the largest tensor an op makes."""
+padding masks, fairseq's layout, a value-and-gradient comparison, a probe of the largest tensor an op makes, and a
+venv with torch 2.11 (a GPU machine's torch and Triton)."""
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -54,3 +58,20 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
         return out
+
+
+TORCH_211_VENV = ROOT / ".venv-torch2.11"  # torch 2.11.0 from PyPI (a CUDA build; it runs on the CPU), this venv's rest
+
+
+def torch_211_python() -> Path:
+    """A venv with torch 2.11.0 (and the Triton 3.6 it ships with) that sees this venv's other packages (a .pth after
+    its own site-packages); made on first use (slow tier)."""
+    python = TORCH_211_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(TORCH_211_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.11.0"],
+                       check=True, timeout=1800)
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python

@@ -4,14 +4,11 @@ self-test's (``linattn_tools.recipes.selftest.compiled``), checked here with the
 import json
 import os
 import subprocess
-import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
-from helpers import ROOT
+from helpers import ROOT, torch_211_python
 from torch._dynamo.utils import counters
 
 from linattn_tools.recipes.selftest.compiled import build_pair, training_step
@@ -42,7 +39,6 @@ def test_compiled_module_step_equals_eager(gen, method, causal):
 
 
 # -- the same cases on torch 2.11, whose compiled autograd.Functions routed gradients wrongly (pytorch#180642) -------
-TORCH_211_VENV = ROOT / ".venv-torch2.11"  # torch 2.11.0 from PyPI (a CUDA build; it runs on the CPU), this venv's rest
 TORCH_211_CASES = ("lln:decoder", "lln_diag:encoder", "lavo:decoder", "skyformer:encoder", "kernelized:encoder")
 RUN_CASES = """
 import json, sys, torch
@@ -53,19 +49,6 @@ for case in sys.argv[1:]:
     check_case(stage, *case.split(":"), "cpu")
 print(json.dumps({"torch": torch.__version__, "rows": [[r.check, r.status, r.measured] for r in stage.rows]}))
 """
-
-
-def torch_211_python() -> Path:
-    """A venv with torch 2.11.0 that sees this venv's other packages (a .pth after its own site-packages)."""
-    python = TORCH_211_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(TORCH_211_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.11.0"],
-                       check=True, timeout=1800)
-    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
 
 
 @pytest.mark.slow
