@@ -63,7 +63,7 @@ def _padded(b: int, n: int, device) -> torch.Tensor:
 
 def check(dtype, device, family: str = "lln") -> List[dict]:
     """Forward and input gradients of ``family``'s op against its float64 reference at N = CHECK_N (the second
-    sequence's last eighth padded; LLN causal without padding), in each causality it takes: relative errors and
+    sequence's last eighth padded; LLN's causal op unpadded), in each causality it takes: relative errors and
     the tolerance of ``linattn/tolerances.py``."""
     rows = []
     tensors = fused_ops.inputs(family, 2, CHECK_N, dtype, device, heads=4)
@@ -71,7 +71,7 @@ def check(dtype, device, family: str = "lln") -> List[dict]:
     name = str(dtype).split(".")[-1]
     method = fused_ops.FAMILIES[family].method
     for causal in fused_ops.FAMILIES[family].causal:
-        mask = None if causal and family == "lln" else _padded(2, CHECK_N, device)
+        mask = None if causal and not fused_ops.FAMILIES[family].causal_padded else _padded(2, CHECK_N, device)
         out = fused_ops.call(family, tensors, causal, mask)
         got = torch.autograd.grad(out, (q, k, v), grad)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -103,7 +103,7 @@ def kernel_seconds(kernel: str, dtype, device, repeats: int) -> float:
     the family takes, summed."""
     family = fused_ops.family_of(kernel)
     causal = fused_ops.FAMILIES[family].causal
-    if family == "lln":
+    if fused_ops.FAMILIES[family].causal_by_name:
         causal = ("noncausal" not in kernel,)
     return sum(op_seconds(family, c, dtype, device, repeats) for c in causal)
 
