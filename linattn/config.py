@@ -69,7 +69,8 @@ class AttentionConfig:
         "auto", "implementation of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
         "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU implementation); fused = Triton "
         "kernels where a method has them (LLN, LLN+Diag, Skyformer, LAVO self-attention; half inputs on CUDA; the "
-        "faster choice for causal LLN on an H100), else parallel; auto = looped on the CPU, parallel on any other device and under --attention-compile",
+        "faster choice for causal LLN on an H100), else parallel; auto = looped on the CPU, parallel on any other "
+        "device and under --attention-compile",
         choices=("auto", "parallel", "looped", "fused"))
     attention_compile: bool = option(
         False, "compile each attention's op call with torch.compile (dynamic shapes; torch >= 2.11): fused Triton "

@@ -58,9 +58,11 @@ def step(module, x, mask) -> None:
     out.float().square().mean().backward()
 
 
-def count_step(method: str, causal: bool, n: int, impl: str, **options) -> Dict[str, int]:
-    module = build(method, causal, impl, **options)
-    x, mask = module_step_inputs(n)
+def count_step(method: str, causal: bool, n: int, impl: str, device: str = "cpu", **options) -> Dict[str, int]:
+    """Launched ATen ops and host syncs of one training step on ``device`` (``meta``: the same ops as a real device
+    but SDPA's, which the meta device decomposes, with no arithmetic)."""
+    module = build(method, causal, impl, device=device, **options)
+    x, mask = module_step_inputs(n, device=device)
     step(module, x, mask)  # warm-up: first-call work (landmark draws, lazy buffers) is not counted
     with count_dispatch() as counts:
         step(module, x, mask)

@@ -16,8 +16,10 @@ QUADRATIC = {"kernelized"}  # exact kernel attention: its ops may grow with N
 
 @pytest.mark.parametrize("method,role", [c for c in CASES if c[0] not in QUADRATIC])
 def test_parallel_training_step_issues_a_fixed_number_of_ops(method, role):
-    small = count_step(method, CAUSAL[role], 2048, "parallel")
-    large = count_step(method, CAUSAL[role], 8192, "parallel")
+    """Counted on the meta device: the linear methods issue the same ops as on the CPU, without the arithmetic (the
+    softmax baseline's decomposed SDPA issues more)."""
+    small = count_step(method, CAUSAL[role], 2048, "parallel", device="meta")
+    large = count_step(method, CAUSAL[role], 8192, "parallel", device="meta")
     assert large["ops"] <= 1.25 * small["ops"], (small["ops"], large["ops"])
     assert large["ops"] <= OP_LIMIT.get(method, 200), large["ops"]
 
