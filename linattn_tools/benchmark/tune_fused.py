@@ -117,8 +117,8 @@ def accurate(device, family: str = "lln") -> bool:
 def search(dtype, device, repeats: int, kernels=None, on_best=None) -> Tuple[Dict[str, dict], List[dict]]:
     """Greedy: each kernel's candidates (``kernels``: some) with the others at their best so far ({kernel: settings},
     as ``LINATTN_TRITON_LAUNCH`` takes it), a candidate that fails its family's ``check`` left out; then
-    ``lln_noncausal.SPLIT_ROWS`` (left at its best). ``on_best(best)`` after each kernel: a run stopped by its time
-    limit keeps what it found."""
+    ``lln_noncausal.SPLIT_ROWS`` (left at its best). ``on_best(best, rows)`` after each kernel: a run stopped by its
+    time limit keeps what it found."""
     best: Dict[str, dict] = {}
     rows = []
     for kernel, candidates in CANDIDATES.items():
@@ -142,7 +142,7 @@ def search(dtype, device, repeats: int, kernels=None, on_best=None) -> Tuple[Dic
         if results:
             best[kernel] = min(results, key=lambda r: r[0])[1]
             if on_best:
-                on_best(best)
+                on_best(best, rows)
     os.environ["LINATTN_TRITON_LAUNCH"] = json.dumps(best)
     if kernels and "SPLIT_ROWS" not in kernels:
         return best, rows
@@ -182,11 +182,15 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(<= {r['tolerance']:.0e}), grads {r['grads']:.2e} (<= {r['grad_tolerance']:.0e}) "
               f"{'PASS' if ok else 'FAIL'}", flush=True)
     res = {"machine": measure.machine_info(device), "dtype": args.dtype, "shapes": SHAPES, "checks": checks}
+    if args.json:  # now and after each kernel: a run stopped by its time limit keeps its checks and what it timed
+        write_json(args.json, res)
     if not args.check_only:
-        def keep(best):
+        def keep(best, rows):
             if args.env:
                 args.env.parent.mkdir(parents=True, exist_ok=True)
                 args.env.write_text(f"LINATTN_TRITON_LAUNCH='{json.dumps(best)}'\n")
+            if args.json:
+                write_json(args.json, {**res, "best": best, "rows": rows, "partial": True})
 
         kernels = args.kernels or [k for k in CANDIDATES if fused_ops.family_of(k) in args.families] + (
             ["SPLIT_ROWS"] if "lln" in args.families else [])
