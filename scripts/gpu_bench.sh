@@ -29,10 +29,10 @@ and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [bo
 --tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 checks, then the launch settings
 of the kernels, LLN's first, then the block softmax's, Skyformer's and LAVO's; capped at SECONDS: what it found by
 then counts, its checks included) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
-settings it found
-(LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.txt, the profiler's kernel table of the step at
-N = 4096 for LLN (both causalities), LAVO causal, Skyformer and LLN+Diag. --quick: the CPU, float32, N = 32 and 64,
-one step each (checks that the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about 7 minutes.
+settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.txt, the profiler's kernel table of
+the step at N = 4096 for LLN (both causalities), LAVO causal, Skyformer and LLN+Diag. --quick: the CPU, float32,
+N = 32 and 64, one step each (checks that the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about
+7 minutes.
 USAGE
       exit 0 ;;
     --out) OUT="$2"; shift 2 ;;
