@@ -1,10 +1,13 @@
 """Where one attention module's training step spends its device time: torch.profiler's table of kernels (self
-device time, calls) over a few steps of the targets' step (``targets.py``: 768 wide, 12 heads, forward + backward).
+device time, calls) over a few steps of the targets' step (``targets.py``: 768 wide, 12 heads, forward + backward),
+headed by what bounds the step: its wall time, the host's time to issue it and the device's busy time (the sum of
+its kernels' times). A device busy for much less than the step's wall time waits on the host (launch-bound).
 
     python -m linattn_tools.benchmark.profile_step --method lln --causal --n 4096 --dtype float16 --impl fused
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,15 +26,27 @@ def table(method: str, causal: bool, n: int, tokens: int, dtype: str, impl: str,
     mask = None if causal else mask
     for _ in range(3):
         step(module, x, mask)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(module, x, mask)
+    issued = time.perf_counter()
+    sync()
+    wall_ms, host_ms = ((t - start) * 1e3 / steps for t in (time.perf_counter(), issued))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step(module, x, mask)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        sync()
+    averages = prof.key_averages()
+    on_device = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    busy_ms = sum(getattr(e, on_device) for e in averages) / 1e3 / steps
     head = f"{method}{' causal' if causal else ''} N={n} B={max(1, tokens // n)} {dtype} impl {impl}, {steps} steps"
-    return head + "\n" + prof.key_averages().table(sort_by=key, row_limit=rows)
+    bound = (f"step {wall_ms:.3f} ms wall, {host_ms:.3f} ms to issue on the host, device busy {busy_ms:.3f} ms "
+             f"({100 * busy_ms / wall_ms:.0f}% of the step)")
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return head + "\n" + bound + "\n" + averages.table(sort_by=key, row_limit=rows)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
