@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -50,7 +51,20 @@ def time_step(method: str, causal: bool, n: int, args) -> dict:
     head = x.new_empty((1, 1, 1, module.head_dim))
     return {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype,
             "impl": implementation_for(method, args.impl, head), "median_s": statistics.median(times),
+            "issue_s": statistics.median(issue_seconds(run, device) for _ in range(args.repeats)),
             "peak_bytes": measure.peak_memory_bytes(run, device)}
+
+
+def issue_seconds(run, device: torch.device) -> float:
+    """The host's time to issue one ``run()`` from an idle device (on a GPU: its launches queued, not waited
+    for); a step whose time is close to it is bound by the host, not by its kernels."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    sync()
+    return seconds
 
 
 def measure_point(args) -> dict:
@@ -65,7 +79,8 @@ def measure_point(args) -> dict:
                 work = flops.training_flops(method, row["n"], row["batch"], 12, 64, causal=causal, opts=FLOP_OPTS)
                 note = f", SDPA {work / row['median_s'] / 1e12:.3f} TFLOP/s"
             print(f"{args.dtype} N={args.n} B={row['batch']} {method}{' causal' if causal else ''}: "
-                  f"{row['median_s'] * 1e3:.2f} ms, peak {row['peak_bytes'] / 2**20:.1f} MiB, "
+                  f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}), "
+                  f"peak {row['peak_bytes'] / 2**20:.1f} MiB, "
                   f"implementation {row['impl']}{note}", flush=True)
     return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows}
 
