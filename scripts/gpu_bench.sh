@@ -22,7 +22,8 @@ One attention module's training step (768 wide, 12 heads, weights and inputs in 
 median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag, LAVO causal and Skyformer with
 --attention-impl IMPL [fused], against the softmax module (SDPA) of the same causality, in float16 and bfloat16,
 at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1); causal steps unpadded, non-causal
-ones with the last eighth of one sequence padded. Each (dtype, N) point runs in a process of its own, capped at
+ones with the last eighth of one sequence padded. One small step of every series per dtype first compiles the
+kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its own, capped at
 --cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
 [DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran)
 and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [both].
@@ -47,9 +48,11 @@ USAGE
 done
 if [ "$QUICK" = 1 ]; then
   DTYPES=(float32); SIZES=(32 64); EXTRA=(--device cpu --tokens-per-step 64 --warmup 1 --repeats 1)
+  WARM=(--device cpu)
   PROFILE_ARGS=(--device cpu --n 64 --tokens-per-step 64)
 else
   DTYPES=(float16 bfloat16); SIZES=(2048 4096 16384 32768); EXTRA=(--tokens-per-step 32768)
+  WARM=()
   PROFILE_ARGS=(--n 4096 --tokens-per-step 32768)
 fi
 [ ${#DTYPES_ARG[@]} -gt 0 ] && DTYPES=("${DTYPES_ARG[@]}")
@@ -63,6 +66,11 @@ if [ "$TUNE" != 0 ]; then
   if [ -f "$OUT/tune_fused.env" ]; then set -a; . "$OUT/tune_fused.env"; set +a; fi
 fi
 for dtype in "${DTYPES[@]}"; do
+  # Triton compiles each kernel once per specialisation (dtype, flags, lengths divisible by 16): one small step of
+  # every series first, so that no point's cap is spent compiling (it caches them on disk for the points' processes)
+  timeout 600 "$PY" -m linattn_tools.benchmark.targets --n "${SIZES[0]}" --tokens-per-step "${SIZES[0]}" \
+    --dtype "$dtype" --impl "$IMPL" --warmup 1 --repeats 1 ${WARM[@]+"${WARM[@]}"} >/dev/null \
+    || failed+=("${dtype} warm-up (compiling the kernels)")
   for n in "${SIZES[@]}"; do
     if ! timeout "$CAP" "$PY" -m linattn_tools.benchmark.targets --n "$n" --dtype "$dtype" --impl "$IMPL" \
         "${EXTRA[@]}" --json "$OUT/${dtype}_${n}.json"; then
