@@ -125,4 +125,7 @@ FUSED_MUTANTS = [
       LAVO_FUSED_T),
     M("lavo-fused-supports-window", OPS + "lavo/fused.py", "and window <= MAX_WINDOW", "",
       "a window larger than the kernels hold runs fused", LAVO_FUSED_T),
+    M("impls-shared-memory-units", OPS + "impls.py", "need * 1024 <= limit", "need <= limit",
+      "the kernels' shared memory need (KiB) compared with the device's limit (bytes): every device passes",
+      ("tests/ops/test_impls.py",)),
 ]

@@ -17,6 +17,7 @@ file from its table ``{impl: module}``. Adding an implementation: one file per m
 and one entry in each method's table. Which implementation a call runs: ``implementation_for``.
 """
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -42,6 +43,29 @@ def fused_devices() -> tuple:
     """The device types the fused kernels run on: CUDA, meta (their fake kernels), and the CPU under Triton's
     interpreter (``TRITON_INTERPRET=1``, the tests)."""
     return ("cuda", "meta", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda", "meta")
+
+
+def device_shared_memory(device: torch.device) -> Optional[int]:
+    """The shared memory one block of a kernel may use on ``device`` (bytes: CUDA's opt-in limit per block; 0 where
+    this torch does not say), None off CUDA (meta, Triton's interpreter: no limit to check)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory(index: int) -> int:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+
+
+def fits_shared_memory(device: torch.device, need_kib: Mapping[int, int], head_dim: int) -> bool:
+    """Whether a method's kernels fit ``device`` at ``head_dim``: ``need_kib`` maps the largest head dim of each
+    size class to the shared memory (KiB) of the method's largest kernel block there, as compiled for sm_90 (the
+    slow tier checks them); an A100 gives 163 KiB a block, an H100 227, consumer GPUs about 100."""
+    limit = device_shared_memory(device)
+    need = next((kib for dim, kib in sorted(need_kib.items()) if head_dim <= dim), None)
+    return limit is None or (need is not None and need * 1024 <= limit)
 
 
 def resolve_impl(impl: str, device: torch.device, available: Collection[str] = BASE) -> str:

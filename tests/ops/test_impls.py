@@ -83,3 +83,19 @@ def test_fused_asked_of_any_method_on_the_cpu_runs_parallel_and_matches():
                lambda impl: ops.lln_diag_attention(q, q, q, 1.0, 1.0, block_size=4, impl=impl),
                lambda impl: ops.kernelized_attention(q, q, q, impl=impl)):
         torch.testing.assert_close(op("fused"), op("parallel"), rtol=0, atol=0)
+
+
+ALL_FUSED = {"lln", "lln_diag", "skyformer", "lavo", "block_softmax"}
+
+
+@pytest.mark.parametrize("kib, at_64, at_128", [(227, ALL_FUSED, ALL_FUSED),
+                                                (163, ALL_FUSED, {"lavo", "block_softmax"}),
+                                                (99, {"lavo", "block_softmax"}, {"block_softmax"})])
+def test_fused_runs_only_where_its_kernels_fit_the_devices_shared_memory(monkeypatch, kib, at_64, at_128):
+    """An H100 gives a block 227 KiB, an A100 163, consumer GPUs about 99: at D = 64 the causal LLN backward needs
+    112 KiB and the Nyström backward 128; at D = 128 they need 224 and 216 (only an H100 has them), LAVO 160."""
+    monkeypatch.setattr(impls, "triton_available", lambda: True)
+    monkeypatch.setattr(impls, "device_shared_memory", lambda device: kib * 1024)
+    for d, expected in ((64, at_64), (128, at_128)):
+        half = torch.empty(1, 1, 4, d, dtype=torch.float16, device="meta")
+        assert {m for m in ALL_FUSED if implementation_for(m, "fused", half) == "fused"} == expected, d

@@ -289,6 +289,16 @@ def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas(triton_of):
     # a tuning candidate over the limit fails to launch there (the tuner skips it): only tf32x3's split operands in
     # the Nyström backward
     assert [line.split()[2:5] for line in lines if line.endswith("over")] == [["nystrom_rows_grad", "{'WIDE':", "3}"]]
+    # each method's SHARED_MEMORY_KIB, which keeps its kernels off devices with less, bounds its kernels' blocks
+    from linattn.ops.block_softmax import fused as block
+    from linattn.ops.lavo import fused as lavo
+    from linattn.ops.lln import fused as lln
+    from linattn.ops.skyformer import fused as skyformer
+    tables = {"lln_": lln, "block_softmax": block, "nystrom_": skyformer, "lavo_": lavo}
+    for line in lines:
+        _, d, key, change, shared = line.split()[:5]
+        need = next(m for prefix, m in tables.items() if key.startswith(prefix)).SHARED_MEMORY_KIB[int(d)]
+        assert change != "{}" or int(shared) <= need * 1024, line
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

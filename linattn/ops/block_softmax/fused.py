@@ -9,17 +9,21 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
+from ..impls import fits_shared_memory
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from .inputs import BlockInputs
 
 MAX_BLOCK = 128  # the largest block: its (bs, bs) scores are held in registers
+SHARED_MEMORY_KIB = {64: 28, 128: 48}  # the largest kernel block at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, block: int = 64) -> bool:
     """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,N,Dv) and blocks of ``block`` rows:
-    half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, block <= MAX_BLOCK, fewer than 2^31 elements each."""
+    half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, block <= MAX_BLOCK, fewer than 2^31 elements each, and the
+    kernels' shared memory on q's device."""
     return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
-            and v.shape[-1] <= MAX_HEAD_DIM and block <= MAX_BLOCK and max(q.numel(), v.numel()) <= MAX_ELEMENTS)
+            and v.shape[-1] <= MAX_HEAD_DIM and block <= MAX_BLOCK and max(q.numel(), v.numel()) <= MAX_ELEMENTS
+            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(q.shape[-1], v.shape[-1])))
 
 
 def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[Tensor, tuple]:

@@ -11,19 +11,23 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..impls import fits_shared_memory
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from ..precision import compute_dtype
 from .inputs import LavoInputs, window_valid
 
 MAX_WINDOW = 64  # the largest window: a program holds its (w, 2w) scores and probabilities in registers
+SHARED_MEMORY_KIB = {64: 56, 128: 160}  # the largest kernel block at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether the kernels take queries like q (B,H,N,D), values like v, windows of ``window`` tokens and bases of
     ``bases_dtype``: half inputs of one dtype (the bases too: they meet q and the gradient on tensor cores), D <=
-    MAX_HEAD_DIM, window <= MAX_WINDOW, fewer than 2^31 elements each."""
+    MAX_HEAD_DIM, window <= MAX_WINDOW, fewer than 2^31 elements each, and the kernels' shared memory on q's
+    device."""
     return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and bases_dtype in (None, q.dtype)
-            and q.shape[-1] <= MAX_HEAD_DIM and window <= MAX_WINDOW and max(q.numel(), v.numel()) <= MAX_ELEMENTS)
+            and q.shape[-1] <= MAX_HEAD_DIM and window <= MAX_WINDOW and max(q.numel(), v.numel()) <= MAX_ELEMENTS
+            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, q.shape[-1]))
 
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],

@@ -12,22 +12,25 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ..impls import fits_shared_memory
 from .inputs import LLNInputs
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # the largest D and Dv a kernel holds in registers
 MAX_CHUNK = 128  # the largest causal chunk: its C×C products are held in registers
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: a larger q, k or v runs ``parallel``
+SHARED_MEMORY_KIB = {64: 112, 128: 224}  # the largest block (the causal ``_grads``) at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:
     """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,S,Dv) and causal chunks of ``chunk``
     rows: half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, chunk <= MAX_CHUNK, and fewer than 2^31 elements in
-    q, v and the causal chunk states (B,H,N/chunk,D,Dv+1)."""
+    q, v and the causal chunk states (B,H,N/chunk,D,Dv+1), and the kernels' shared memory on q's device."""
     b, h, n, d = q.shape
     states = b * h * -(-n // chunk) * d * (v.shape[-1] + 1)
     return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and d <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM
-            and chunk <= MAX_CHUNK and max(q.numel(), v.numel(), states) <= MAX_ELEMENTS)
+            and chunk <= MAX_CHUNK and max(q.numel(), v.numel(), states) <= MAX_ELEMENTS
+            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(d, v.shape[-1])))
 
 
 def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:

@@ -10,20 +10,23 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
+from ..impls import fits_shared_memory
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from ..precision import compute_dtype
 from .nystrom import Landmarks, NystromInputs, gather_landmarks, landmark_inverse
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
+SHARED_MEMORY_KIB = {64: 128, 128: 216}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
 
 
 def supports(q: Tensor, v: Tensor, num_landmarks: int = 128) -> bool:
     """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,N,Dv) and ``num_landmarks`` landmarks:
     half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, at most MAX_LANDMARKS landmarks in use (d, or the 2N rows of
-    [Q; K] if fewer), fewer than 2^31 elements each."""
+    [Q; K] if fewer), fewer than 2^31 elements each, and the kernels' shared memory on q's device."""
     return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
             and v.shape[-1] <= MAX_HEAD_DIM and min(num_landmarks, 2 * q.shape[2]) <= MAX_LANDMARKS
-            and max(q.numel(), v.numel()) <= MAX_ELEMENTS)
+            and max(q.numel(), v.numel()) <= MAX_ELEMENTS
+            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(q.shape[-1], v.shape[-1])))
 
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, rows: Landmarks, pad: Optional[Tensor], gamma: float,
