@@ -75,3 +75,21 @@ def torch_211_python() -> Path:
                           capture_output=True, text=True).stdout.strip()
     Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
+
+
+def compiled_op_count(fn, args, op_name: str) -> int:
+    """Compile ``fn`` whole (``fullgraph``; a backend that keeps Dynamo's graphs and runs them as traced), check that
+    it gives ``fn(*args)`` bit for bit, and count the nodes calling the custom op ``linattn::<op_name>`` in its graphs
+    (looked up after the call, which registers it)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(*args), fn(*args))
+    target = getattr(torch.ops.linattn, op_name).default
+    return sum(node.target is target for gm in graphs for node in gm.graph.nodes)
+
