@@ -120,7 +120,7 @@ FUSED_MUTANTS = [
     M("triton-lavo-bwd-dv-memory", OPS + "triton/lavo_backward.py",
       "            dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]\n", "",
       "the values' gradient through the memory (tok dL/d(window sum)) is dropped", LAVO_FUSED_T),
-    M("triton-lavo-bwd-bias-slot", OPS + "triton/lavo_backward.py", "tl.where(hi, key - m * W + BW,",
+    M("triton-lavo-bwd-bias-slot", OPS + "triton/lavo_backward.py", "tl.where(hi, key - m * W + NK - BW,",
       "tl.where(hi, key - m * W,", "the bias' gradient gathers the own window's keys from the previous window's slots",
       LAVO_FUSED_T),
     M("lavo-fused-supports-window", OPS + "lavo/fused.py", "and window <= MAX_WINDOW", "",

@@ -214,6 +214,7 @@ HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 only adds minutes of compiling
     half, sizes = HALF[name], dict(BD=d, BDV=d, BR=d)
     window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True)
+    own_window = {**window, "CAUSAL": False}  # non-causal: the own window's BW key slots
     kernels = [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
                (lln_causal._states, "lln_causal_states", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
                (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, HALF_TY=half, EMULATE=False, HAS_MASK=True)),
@@ -237,7 +238,10 @@ for name, d in (("fp16", 64), ("fp16", 128), ("bf16", 64)):  # bf16 at D = 128 o
                                                                        EMULATE=False, HAS_MASK=True, KEYS=True)),
                (lavo._local, "lavo_local", window), (lavo._memory, "lavo_memory", window),
                (lavo_backward._memory_grad, "lavo_memory_grad", window),
-               (lavo_backward._local_grad, "lavo_local_grad", window)]
+               (lavo_backward._local_grad, "lavo_local_grad", window),
+               (lavo._local, "lavo_local", own_window), (lavo._memory, "lavo_memory", own_window),
+               (lavo_backward._memory_grad, "lavo_memory_grad", own_window),
+               (lavo_backward._local_grad, "lavo_local_grad", own_window)]
     variants = [(k, {}) for k in kernels]  # at LAUNCH's settings; fp16 at 64 also with tf32(x3), half-width walks
     if (name, d) == ("fp16", 64):
         variants += [(k, {"WIDE": w}) for w in (1, 3) for k in kernels if "WIDE" in launch(k[1], d)]
@@ -276,7 +280,7 @@ def test_every_kernel_compiles_for_an_h100_with_tritons_own_ptxas(triton_of):
                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith(("fp16", "bf16"))]
-    assert len(lines) == 80  # 18 kernels x 3, 12 with tf32 and 12 with tf32x3, 2 with BV = 32
+    assert len(lines) == 98  # 22 kernels x 3, 15 with tf32 and 15 with tf32x3, 2 with BV = 32
     # a tuning candidate over the limit fails to launch there (the tuner skips it): only tf32x3's split operands in
     # the Nyström backward
     assert [line.split()[2:5] for line in lines if line.endswith("over")] == [["nystrom_rows_grad", "{'WIDE':", "3}"]]

@@ -8,10 +8,10 @@ an exclusive cumulative sum over the windows if causal, the total if not) are ``
 the (B,H,nw,D) sums. ``_memory``, grid (nw, B*H): F_global = softmax(q B^T ⊙ H / sqrt(D)) (H ⊙ B) (eq. 4) and the
 output 0.5 (F_local + F_global) (F_local alone without memory), in q's dtype.
 
-The keys of a window sit in 2 BW slots (BW = the window's block): slots [0, BW) from position ``lo``, slots
-[BW, 2 BW) from ``hi``; causal, the query window m's keys are its previous window (lo) and its own (hi), non-causal
-its own (hi) alone. The backward reads them in another order (``lavo_backward``), so a key's bias and mask come from
-its position, never from its slot.
+The keys a window's queries see sit in NK slots (BW = the window's block): causal, NK = 2 BW, slots [0, BW) from
+position ``lo`` (query window m's previous window) and [BW, 2 BW) from ``hi`` (its own); non-causal, NK = BW slots
+from ``hi`` (its own window). The backward reads them in another order (``lavo_backward``), so a key's bias and mask
+come from its position, never from its slot.
 """
 import math
 from typing import Tuple
@@ -26,13 +26,15 @@ from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
 
 
 @triton.jit
-def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, HAS_LO: tl.constexpr):
-    """The 2 BW key slots: their positions (slots [0, BW) from ``lo`` if HAS_LO, [BW, 2 BW) from ``hi``; W of each
-    half in use) and whether each holds a real key (inside the sequence, not padded; valid (B, NT) uint8)."""
-    j = tl.arange(0, 2 * BW)
-    low = j < BW
-    pos = tl.where(low, lo + j, hi + j - BW)
-    used = tl.where(low, HAS_LO & (j < W), (j - BW) < W)
+def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, CAUSAL: tl.constexpr):
+    """The NK key slots and their positions (causal, slots [0, BW) from ``lo`` and [BW, 2 BW) from ``hi``;
+    else BW slots from ``hi``; W of each half in use) and whether each holds a real key (inside the sequence, not
+    padded; valid (B, NT) uint8)."""
+    NK: tl.constexpr = 2 * BW if CAUSAL else BW
+    j = tl.arange(0, NK)
+    low = j < NK - BW
+    pos = tl.where(low, lo + j, hi + j - (NK - BW))
+    used = tl.where(low, j < W, (j - (NK - BW)) < W)
     inside = used & (pos >= 0) & (pos < N)
     real = inside & (tl.load(valid_ptr + (pid // H) * NT + pos, mask=inside, other=0) != 0)
     return pos, real
@@ -42,7 +44,7 @@ def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, HAS_LO: tl.c
 def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo, hi, D, scale, BW: tl.constexpr,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr):
     """Query window ``qw`` of head ``pid`` against the key slots (``key_rows``): its queries' positions t (BW,) and
-    q (BW, BD) half, the keys' positions and real flags (2 BW,), k (2 BW, BD) half and p (BW, 2 BW) fp32, the window
+    q (BW, BD) half, the keys' positions and real flags (NK,), k (NK, BD) half and p (BW, NK) fp32, the window
     softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
     allowed key."""
     i = tl.arange(0, BW)

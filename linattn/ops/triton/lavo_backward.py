@@ -6,7 +6,7 @@ F_global (stored fp32), dL/dH per window, and each split's share of dL/dB, summe
 small torch ops (``memory.memory_mean_grad``) turn dL/dH into dL/d(window sums of F_local) and add the bases' share
 through the sums. ``_local_grad``, grid (nw, B*H): window m's queries (dq, the bias' share) and window m's keys
 (dk, dv): their contributions come from query window m and, causal, from window m + 1, whose rows the program
-recomputes whole (the softmax needs every key a query sees); window m's keys sit in the slots [BW, 2 BW) in both.
+recomputes whole (the softmax needs every key a query sees); window m's keys sit in the last BW slots in both.
 dL/dF_local = coef grad + tok dL/d(window sum) is never stored: dp = coef grad v^T (tensor cores, both half) + tok
 (v·dL/d(sum)).
 """
@@ -67,11 +67,12 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
     queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
-    j = tl.arange(0, 2 * BW)
+    NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
+    j = tl.arange(0, NK)
     d = tl.arange(0, BD)
-    own = (j >= BW)[None, :]  # window m's keys, in both steps
-    dk = tl.zeros((2 * BW, BD), tl.float32)
-    dv = tl.zeros((2 * BW, BD), tl.float32)
+    own = (j >= NK - BW)[None, :]  # window m's keys, in both steps
+    dk = tl.zeros((NK, BD), tl.float32)
+    dv = tl.zeros((NK, BD), tl.float32)
     for step in tl.static_range(2 if CAUSAL else 1):
         qw = m + step
         if qw < NW:
@@ -98,15 +99,15 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
                 key = t[:, None] + o[None, :] - W + 1
                 hi = (key >= m * W) & (key < m * W + W)
                 low = CAUSAL & (key >= lo) & (key < lo + W)
-                slot = tl.where(hi, key - m * W + BW, tl.where(low, key - lo, 0))
+                slot = tl.where(hi, key - m * W + NK - BW, tl.where(low, key - lo, 0))
                 per = tl.sum(tl.where(hi | low, tl.gather(ds, slot, 1), 0.0), 0)
                 tl.store(dbias_ptr + (pid * NW + m) * (2 * W - 1) + o, per, mask=o < 2 * W - 1)
             p_own = tl.where(own, p, 0.0)
             dv += coef * half_dot(tl.trans(p_own), g, HALF_TY, EMULATE)
             dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]
             dk += wide_dot(tl.trans(tl.where(own, ds, 0.0)), q.to(tl.float32), WIDE) * scale
-    pos = m * W + j - BW
-    keys = ((j >= BW) & (j - BW < W) & (pos < N))[:, None] & (d[None, :] < D)
+    pos = m * W + j - (NK - BW)
+    keys = ((j >= NK - BW) & (j - (NK - BW) < W) & (pos < N))[:, None] & (d[None, :] < D)
     at = pid * N * D + pos[:, None] * D + d[None, :]
     tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys)
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
