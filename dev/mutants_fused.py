@@ -128,4 +128,13 @@ FUSED_MUTANTS = [
     M("impls-shared-memory-units", OPS + "impls.py", "need * 1024 <= limit", "need <= limit",
       "the kernels' shared memory need (KiB) compared with the device's limit (bytes): every device passes",
       ("tests/ops/test_impls.py",)),
+    M("triton-launch-128-at-64", OPS + "triton/common.py", "if block(max(d, dv)) > 64 else {}",
+      "if block(d) >= 64 else {}", "the settings for blocks of 128 taken at D = 64, and not for a Dv over 64",
+      ("tests/ops/test_triton_common.py",)),
+    M("triton-causal-bwd-dq-stored-early", OPS + "triton/lln_causal_backward.py",
+      "    dfq += wide_dot(dqk, fk, WIDE)\n", "",
+      "dq stored before its in-chunk part is added (the gradients are stored as soon as each is complete)",
+      ("tests/ops/test_lln_fused.py",)),
+    M("triton-lavo-bwd-own-slots-previous", OPS + "triton/lavo_backward.py", "_, x = tl.split(", "x, _ = tl.split(",
+      "causal: window m's keys' gradients taken from the previous window's slots", LAVO_FUSED_T),
 ]

@@ -43,10 +43,24 @@ def test_wide_dot_precisions(gen):
 def test_launch_maps_tf32_to_the_kernels_wide_setting(monkeypatch):
     """Under the interpreter each tensor-core rounding is emulated (WIDE one more); another TF32 value is refused
     with the allowed ones."""
-    assert launch("lln_causal_grads", 64)["WIDE"] == 0
+    assert launch("lln_causal_grads", 64)["WIDE"] == 2  # LAUNCH's tf32, its rounding emulated
     for value, wide in ((True, 2), ("x3", 4), (False, 0)):
         monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_grads": {"TF32": value}}))
         assert launch("lln_causal_grads", 64)["WIDE"] == wide
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_grads": {"TF32": "x2"}}))
     with pytest.raises(ValueError, match='TF32 must be false, true or "x3"'):
         launch("lln_causal_grads", 64)
+
+
+def test_launch_takes_the_wide_block_settings_where_d_or_dv_needs_a_block_of_128(monkeypatch):
+    """``LAUNCH_128`` replaces LAUNCH's settings where D or Dv is over 64 (blocks of 128), not at 64 or below; the
+    environment's override still wins."""
+    from linattn.ops.triton import common
+
+    base = launch("lln_causal_grads", 64)
+    monkeypatch.setattr(common, "LAUNCH_128", {"lln_causal_grads": {"num_warps": 2 * base["num_warps"]}})
+    assert launch("lln_causal_grads", 64) == launch("lln_causal_grads", 40, 64) == base
+    for d, dv in ((65, 0), (128, 0), (64, 100)):
+        assert launch("lln_causal_grads", d, dv) == {**base, "num_warps": 2 * base["num_warps"]}, (d, dv)
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_grads": {"num_warps": 1}}))
+    assert launch("lln_causal_grads", 128)["num_warps"] == 1

@@ -14,7 +14,7 @@ from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from .inputs import BlockInputs
 
 MAX_BLOCK = 128  # the largest block: its (bs, bs) scores are held in registers
-SHARED_MEMORY_KIB = {64: 28, 128: 48}  # the largest kernel block at D <= 64 and <= 128, sm_90
+SHARED_MEMORY_KIB = {64: 48, 128: 96}  # the largest kernel block at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, block: int = 64) -> bool:

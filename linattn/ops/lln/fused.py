@@ -19,7 +19,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # the largest D and Dv a kernel holds in registers
 MAX_CHUNK = 128  # the largest causal chunk: its C×C products are held in registers
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: a larger q, k or v runs ``parallel``
-SHARED_MEMORY_KIB = {64: 112, 128: 224}  # the largest block (the causal ``_grads``) at D <= 64 and <= 128, sm_90
+SHARED_MEMORY_KIB = {64: 80, 128: 224}  # the largest block (the causal ``_grads``) at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:

@@ -16,7 +16,7 @@ from ..precision import compute_dtype
 from .nystrom import Landmarks, NystromInputs, gather_landmarks, landmark_inverse
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
-SHARED_MEMORY_KIB = {64: 128, 128: 216}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
+SHARED_MEMORY_KIB = {64: 152, 128: 216}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
 
 
 def supports(q: Tensor, v: Tensor, num_landmarks: int = 128) -> bool:

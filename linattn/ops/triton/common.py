@@ -15,31 +15,38 @@ HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dty
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
-# over the chunks (BV at most Dv's block: the whole of it), TF32: the
-# products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs
-# (false); ``wide_dot``), from
-# ``python -m linattn_tools.benchmark.tune_fused`` on an H100 (torch 2.11, Triton 3.6; docs/design.md §1.3.1): 4 warps
-# on ``_state_grad`` made the non-causal op (forward + backward) 3.1x slower than 8, on ``_grads`` the causal op 1.7x.
-# The Nyström and LAVO kernels' settings are first choices, not yet tuned on a GPU.
+# over the chunks (BV at most Dv's block: the whole of it), TF32: the products of unbounded fp32 operands on tensor
+# cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``). Chosen so that no kernel
+# spills registers at D = 64 where a setting can avoid it (read from the sm_90 binaries without a GPU:
+# ``python -m linattn_tools.benchmark.kernel_resources``; docs/design.md §1.3.1): exact fp32 products of 64x64 tiles
+# are FMAs whose operands fill a thread's 255 registers, and 16 of the 22 kernels spilled up to 3 KiB a thread. On the
+# H100 (torch 2.11, Triton 3.6, ``python -m linattn_tools.benchmark.tune_fused``) the two settings that moved an op's
+# time were such switches: 4 warps on ``_state_grad`` (264 B spilled) made the non-causal op 3.1x slower than 8 (none),
+# on ``_grads`` (6.4 KiB against 4.2) the causal op 1.7x. Not yet timed on a GPU since.
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
-          "lln_causal_outputs": dict(num_warps=4, num_stages=1, TF32=False),
-          "lln_causal_grad_states": dict(BF=16, BV=128, num_warps=4, num_stages=2, TF32=False),
-          "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=False),
+          "lln_causal_outputs": dict(num_warps=8, num_stages=1, TF32=True),
+          "lln_causal_grad_states": dict(BF=16, BV=128, num_warps=8, num_stages=2, TF32=True),
+          "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=False),
-          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=False),
-          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=False),
+          "lln_noncausal_readout": dict(num_warps=8, num_stages=1, TF32=True),
+          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=True),
+          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
-          "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=False),
-          "nystrom_state": dict(num_warps=4, num_stages=2),
-          "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=False),
-          "nystrom_rows_grad": dict(num_warps=8, num_stages=1, TF32=False),
-          "lavo_local": dict(num_warps=4, num_stages=1),
-          "lavo_memory": dict(num_warps=4, num_stages=1, TF32=False),
-          "lavo_memory_grad": dict(num_warps=4, num_stages=1, TF32=False),
-          "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=False)}
+          "block_softmax_backward": dict(num_warps=8, num_stages=1, TF32=True),
+          "nystrom_state": dict(num_warps=8, num_stages=2),
+          "nystrom_readout": dict(num_warps=8, num_stages=1, TF32=True),
+          "nystrom_rows_grad": dict(num_warps=8, num_stages=1, TF32=True),
+          "lavo_local": dict(num_warps=8, num_stages=1),
+          "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
+          "lavo_memory_grad": dict(num_warps=8, num_stages=1, TF32=True),
+          "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=True)}
+
+# At D or Dv over 64 (blocks of 128): within an H100's 227 KiB of shared memory a block (the Nyström backward's
+# tf32 operands take 272 KiB), and fewer spills at 8 warps (``kernel_resources``)
+LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False), "lln_noncausal_state": dict(num_warps=8),
+              "lavo_memory": dict(num_warps=8)}
 
 
 # A kernel's TF32 setting -> its ``wide_dot`` WIDE (one more under Triton's interpreter: the rounding emulated)
@@ -47,10 +54,13 @@ TF32_SETTINGS = {False: 0, True: 1, "x3": 3}
 
 
 def launch(kernel: str, d: int, dv: int = 0) -> dict:
-    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d (value size dv, default d): BF and BV
-    at most d's and dv's block; TF32 (false, true or "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32,
-    1 tf32, 3 tf32x3; 2 and 4 the same emulated under Triton's interpreter)."""
-    settings = {**LAUNCH[kernel], **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
+    """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d (value size dv, default d), with
+    ``LAUNCH_128``'s where either needs a block of 128: BF and BV at most d's and dv's block; TF32 (false, true or
+    "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 3 tf32x3; 2 and 4 the same emulated under
+    Triton's interpreter)."""
+    wide_block = LAUNCH_128.get(kernel, {}) if block(max(d, dv)) > 64 else {}
+    settings = {**LAUNCH[kernel], **wide_block,
+                **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
     if "BV" in settings:

@@ -60,6 +60,15 @@ def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_
 
 
 @triton.jit
+def _own_slots(x, BW: tl.constexpr, CAUSAL: tl.constexpr):
+    """x (BW, NK)'s columns of window m's keys, its last BW slots (causal: x[:, BW:]; non-causal: all of x), as a
+    (BW, BW) tensor: window m's keys' gradients accumulate in BW rows, not NK."""
+    if CAUSAL:
+        _, x = tl.split(tl.permute(tl.reshape(x, (BW, 2, BW)), (0, 2, 1)))
+    return x
+
+
+@triton.jit
 def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dwin_ptr, dqg_ptr, dq_ptr, dk_ptr,
                 dv_ptr, dbias_ptr, H, N, NT, NW, W, D, scale, BW: tl.constexpr, BD: tl.constexpr,
                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr):
@@ -68,11 +77,9 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
-    j = tl.arange(0, NK)
     d = tl.arange(0, BD)
-    own = (j >= NK - BW)[None, :]  # window m's keys, in both steps
-    dk = tl.zeros((NK, BD), tl.float32)
-    dv = tl.zeros((NK, BD), tl.float32)
+    dk = tl.zeros((BW, BD), tl.float32)  # window m's keys: the last BW slots, in both steps
+    dv = tl.zeros((BW, BD), tl.float32)
     for step in tl.static_range(2 if CAUSAL else 1):
         qw = m + step
         if qw < NW:
@@ -102,12 +109,13 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
                 slot = tl.where(hi, key - m * W + NK - BW, tl.where(low, key - lo, 0))
                 per = tl.sum(tl.where(hi | low, tl.gather(ds, slot, 1), 0.0), 0)
                 tl.store(dbias_ptr + (pid * NW + m) * (2 * W - 1) + o, per, mask=o < 2 * W - 1)
-            p_own = tl.where(own, p, 0.0)
+            p_own = _own_slots(p, BW, CAUSAL)
             dv += coef * half_dot(tl.trans(p_own), g, HALF_TY, EMULATE)
             dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]
-            dk += wide_dot(tl.trans(tl.where(own, ds, 0.0)), q.to(tl.float32), WIDE) * scale
-    pos = m * W + j - (NK - BW)
-    keys = ((j >= NK - BW) & (j - (NK - BW) < W) & (pos < N))[:, None] & (d[None, :] < D)
+            dk += wide_dot(tl.trans(_own_slots(ds, BW, CAUSAL)), q.to(tl.float32), WIDE) * scale
+    j = tl.arange(0, BW)
+    pos = m * W + j
+    keys = ((j < W) & (pos < N))[:, None] & (d[None, :] < D)
     at = pid * N * D + pos[:, None] * D + d[None, :]
     tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys)
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)

@@ -105,29 +105,29 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     bk = tl.load(k_ptr + pid * N * D + at, mask=rd, other=0.0).to(tl.float32) * beta
     live = key_ok[:, None] & dok[None, :]
     fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
-    fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
     vf = tl.load(v_ptr + pid * N * DV + ate, mask=re, other=0.0).to(tl.float32)
     gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, scale, pid, rows, ok, N, DV, BDV)
     go = gr * rs[:, None]
-    r = tl.exp(-rho)
-    # the queries' part through the state S_c
-    sv, sz = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
-    dfq = r[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
     # go vᵀ = r (grad vᵀ): grad and v are half, so their products are exact on tensor cores
     dqk = tl.where(causal, (half_dot(gr, tl.trans(vf), HALF_TY, EMULATE) * rs[:, None] + goz[:, None]) * ex, 0.0)
+    # each gradient stored once complete: fewer fp32 tiles live at once (no register spills at D = 64)
+    # dq: the queries' part through the state S_c, and inside the chunk
+    sv, sz = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
+    dfq = tl.exp(-rho)[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
     dfq += wide_dot(dqk, fk, WIDE)
-    w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
-    # the keys' part through the later chunks' queries: G_c
-    gv, gz = load_state(gs_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
-    dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
-    dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk + (
-        wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki
     tl.store(dq_ptr + pid * N * D + at, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
-    tl.store(dk_ptr + pid * N * D + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
+    dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk
+    w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
+    # dv and dk: the keys' part through the later chunks' queries, G_c
+    gv, gz = load_state(gs_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
+    fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
+    dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
     tl.store(dv_ptr + pid * N * DV + ate, dv.to(dv_ptr.dtype.element_ty), mask=re)
+    dbk += (wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki
+    tl.store(dk_ptr + pid * N * D + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
 
 
 @torch.library.custom_op("linattn::lln_causal_backward", mutates_args=())

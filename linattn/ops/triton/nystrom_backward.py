@@ -84,7 +84,7 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
                                     first * splits, 2 * splits, d, dv_dim, num, BLOCK=ROWS, BD=block(d),
                                     BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
                                     EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, KEYS=first == 1,
-                                    **launch("nystrom_rows_grad", d))
+                                    **launch("nystrom_rows_grad", d, dv_dim))
     return dq, dk, dv, part.sum(2), t @ du.mT
 
 

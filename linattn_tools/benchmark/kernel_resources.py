@@ -1,0 +1,187 @@
+"""What each fused kernel costs an H100's SM, read from its sm_90 binary without a GPU: registers a thread, bytes a
+thread spills to local memory (ptxas' stack frame), shared memory a block, and the static count of tensor-core
+(HMMA/HGMMA), fp32 FMA and local-memory (STL/LDL) instructions in its SASS (docs/design.md §1.3.1).
+
+Each kernel goes through Triton's whole pipeline for ``GPUTarget("cuda", 90, 32)`` with the Triton installed (its
+bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrides:
+
+    python -m linattn_tools.benchmark.kernel_resources --json runs/kernel_resources.json
+    python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
+
+A thread has at most 255 registers; what does not fit is spilled to local memory, which lives in L1/L2/HBM: a
+spilling kernel turns its register tiles into memory traffic. On the H100 the one launch setting that moved an op's
+time by 3x (the non-causal ``_state_grad`` at 4 warps against 8) is the switch between spilling (264 bytes) and not.
+"""
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from linattn.ops.triton import (
+    block_softmax,
+    lavo,
+    lavo_backward,
+    lln_causal,
+    lln_causal_backward,
+    lln_key_max,
+    lln_noncausal,
+    lln_noncausal_backward,
+    nystrom,
+    nystrom_backward,
+)
+from linattn.ops.triton.common import LAUNCH, TF32_SETTINGS, launch
+
+from .cli import write_json
+
+HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
+SHARED_LIMIT = 227 * 1024  # an H100's shared memory a block may opt in to
+SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
+HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
+                 "dq_ptr", "dk_ptr", "dv_ptr")
+FLOATS, MASKS = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
+# Bytes a thread still spills at D = 64 at LAUNCH's settings, the most of fp16 and bf16 with Triton 3.6 and 3.9 (none
+# of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit the slow tier holds them to
+RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 328, "nystrom_rows_grad": 88, "lavo_memory_grad": 112,
+                        "lavo_memory_grad causal": 64, "lavo_local_grad": 48, "lavo_local_grad causal": 256}
+CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
+VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants)
+
+
+def kernels(half) -> List[Tuple[object, str, dict]]:
+    """(kernel, LAUNCH key, constexprs) of every fused kernel for inputs of the Triton half type ``half``; LAVO's four
+    twice (causal, then non-causal: a window's queries meet its own window's key slots only)."""
+    common = dict(HALF_TY=half, EMULATE=False, HAS_MASK=True)
+    window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True)
+    own_window = {**window, "CAUSAL": False}
+    lavo_kernels = [(lavo._local, "lavo_local"), (lavo._memory, "lavo_memory"),
+                    (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._local_grad, "lavo_local_grad")]
+    return [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
+            (lln_causal._states, "lln_causal_states", dict(BC=64, **common)),
+            (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, **common)),
+            (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
+            (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, **common)),
+            (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=64, **common)),
+            (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=64)),
+            (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=64)),
+            (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True)),
+            (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
+            (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
+            (nystrom._state, "nystrom_state", dict(BLOCK=64, BL=128, KEYS=True, **common)),
+            (nystrom._readout, "nystrom_readout", dict(BLOCK=64, BL=128, **common)),
+            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BLOCK=32, BL=128, KEYS=True, **common))] + [
+        (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
+
+
+def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict] = None):
+    """``kernel`` compiled for sm_90 at head size d = Dv, its half pointers ``half`` ("fp16"/"bf16"), at
+    ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's); returns (Triton's compiled kernel, the
+    settings used)."""
+    change = dict(change or {})
+    if "TF32" in change:  # as LAUNCH writes it: the kernel's WIDE
+        change["WIDE"] = TF32_SETTINGS[change.pop("TF32")]
+    settings = {**launch(key, d), **change}
+    params = inspect.signature(kernel.fn).parameters
+    consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d), **consts, **settings}.items() if p in params}
+    half_ptrs = HALF_POINTERS if key != "block_softmax_backward" else HALF_POINTERS[:-3]  # its gradients are fp32
+    types = {p: "constexpr" if p in consts else ("*" + half if p in half_ptrs else "*u8" if p in MASKS else
+             "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32") for p in params}
+    options = {k: settings[k] for k in ("num_warps", "num_stages")}
+    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=options), settings
+
+
+def resources(compiled) -> Dict[str, int]:
+    """Registers and spilled bytes a thread (ptxas' stack frame), shared memory a block, and static SASS instruction
+    counts (tensor-core products, fp32 FMAs, local-memory stores and loads, all) of a compiled kernel."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_OPCODE, sass))
+    return dict(registers=int(found["REG"]), spill_bytes=int(found["STACK"]), shared_bytes=compiled.metadata.shared,
+                tensor_core=ops["HGMMA"] + ops["HMMA"], ffma=ops["FFMA"], local_stores=ops["STL"],
+                local_loads=ops["LDL"], instructions=sum(ops.values()))
+
+
+def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], overrides: Optional[dict] = None,
+          only: Optional[List[str]] = None) -> List[dict]:
+    """One row per kernel build for each (half dtype, D = Dv) of ``configs``: at LAUNCH's settings (updated by
+    ``overrides`` {key: settings}), and at the configurations of ``variants_at`` each kernel's tuning alternatives
+    (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
+    the kernels named in ``only`` (LAUNCH keys), or all."""
+    rows = []
+    for half, d in configs:
+        for kernel, key, consts in kernels(HALF[half]):
+            if only and key not in only:
+                continue
+            base = (overrides or {}).get(key, {})
+            own = launch(key, d)
+            changes = [base] + [{**base, name: value} for name, value in VARIANTS
+                                if (half, d) in variants_at and name in own and own[name] != value]
+            for change in changes:
+                compiled, settings = build(kernel, key, consts, half, d, change)
+                causal = consts.get("CAUSAL")
+                rows.append(dict(dtype=half, d=d, kernel=key, causal=causal, change=change,
+                                 num_warps=settings["num_warps"], **resources(compiled)))
+                print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def name(row: dict) -> str:
+    """The kernel's LAUNCH key, and " causal" for LAVO's causal build."""
+    return row["kernel"] + " causal" * bool(row["causal"])
+
+
+def _line(row: dict) -> str:
+    over = " over the shared memory" if row["shared_bytes"] > SHARED_LIMIT else ""
+    return (f"{row['dtype']} {row['d']:>3} {name(row):<30} {json.dumps(row['change']):<22} warps {row['num_warps']}"
+            f" regs {row['registers']:>3} spill {row['spill_bytes']:>5} B shared {row['shared_bytes'] // 1024:>3} KiB"
+            f" | mma {row['tensor_core']:>4} ffma {row['ffma']:>5} stl {row['local_stores']:>4}"
+            f" ldl {row['local_loads']:>4} of {row['instructions']}{over}")
+
+
+def _config(text: str) -> Tuple[str, int]:
+    half, _, d = text.partition(":")
+    if half not in HALF or not d.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected dtype:D with dtype one of {sorted(HALF)}, e.g. fp16:64")
+    return half, int(d)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", type=_config, default=[_config(c) for c in CONFIGS],
+                        help=f"half dtype:D = Dv pairs (default {' '.join(CONFIGS)})")
+    parser.add_argument("--variants-at", nargs="*", type=_config, default=[],
+                        help="pairs of --configs where each kernel's tuning alternatives are built too")
+    parser.add_argument("--kernels", nargs="+", choices=sorted(LAUNCH), help="only these (default: all)")
+    parser.add_argument("--set", type=json.loads, default={}, help='launch overrides, {"kernel": {"num_warps": 8}}')
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = table(args.configs, args.variants_at, args.set, args.kernels)
+    spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
+    beyond = [f"{row['dtype']}:{row['d']} {name(row)}" for row in spilling
+              if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)]
+    print(f"{len(rows)} builds; at LAUNCH's settings {len(spilling)} spill; at D = 64 beyond RESIDUAL_SPILL_BYTES: "
+          + (", ".join(beyond) or "none"))
+    if args.json:
+        write_json(Path(args.json), dict(target="sm_90 (H100)", triton=triton.__version__, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
