@@ -7,10 +7,12 @@ bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrid
 
     python -m linattn_tools.benchmark.kernel_resources --json runs/kernel_resources.json
     python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
+    python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --markdown-against earlier.json
 
 A thread has at most 255 registers; what does not fit is spilled to local memory, which lives in L1/L2/HBM: a
-spilling kernel turns its register tiles into memory traffic. On the H100 the one launch setting that moved an op's
-time by 3x (the non-causal ``_state_grad`` at 4 warps against 8) is the switch between spilling (264 bytes) and not.
+spilling kernel turns its register tiles into memory traffic. On the H100 (Triton 3.6) the launch setting that
+moved an op's time by 3x (the non-causal ``_state_grad`` at 4 warps against 8) is the switch between spilling (264
+bytes) and not.
 """
 import argparse
 import collections
@@ -156,6 +158,21 @@ def _line(row: dict) -> str:
             f" ldl {row['local_loads']:>4} of {row['instructions']}{over}")
 
 
+def markdown_against(before: dict, now: dict) -> str:
+    """A markdown table of the builds at LAUNCH's settings of two runs' JSON (``before``, ``now``) at the
+    configurations both have: registers, spilled bytes, FFMAs and tensor-core instructions, before -> now."""
+    def keyed(run):
+        return {(row["dtype"], row["d"], name(row)): row for row in run["rows"] if not row["change"]}
+    old, new = keyed(before), keyed(now)
+    lines = [f"| kernel (Triton {now['triton']}) | registers | spilled B / thread | FFMA | tensor-core |",
+             "|---|---|---|---|---|"]
+    for key in (k for k in new if k in old):
+        a, b = old[key], new[key]
+        cells = [f"{a[f]} → {b[f]}" for f in ("registers", "spill_bytes", "ffma", "tensor_core")]
+        lines.append(f"| {key[0]} D={key[1]} {key[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _config(text: str) -> Tuple[str, int]:
     half, _, d = text.partition(":")
     if half not in HALF or not d.isdigit():
@@ -172,6 +189,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", nargs="+", choices=sorted(LAUNCH), help="only these (default: all)")
     parser.add_argument("--set", type=json.loads, default={}, help='launch overrides, {"kernel": {"num_warps": 8}}')
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--markdown-against", help="then print a markdown table of this earlier run's JSON -> this one")
     args = parser.parse_args(argv)
     rows = table(args.configs, args.variants_at, args.set, args.kernels)
     spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
@@ -181,6 +199,9 @@ def main(argv=None) -> None:
           + (", ".join(beyond) or "none"))
     if args.json:
         write_json(Path(args.json), dict(target="sm_90 (H100)", triton=triton.__version__, rows=rows))
+    if args.markdown_against:
+        now = dict(triton=triton.__version__, rows=rows)
+        print(markdown_against(json.loads(Path(args.markdown_against).read_text()), now))
 
 
 if __name__ == "__main__":

@@ -66,3 +66,21 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
     beyond = {(row["dtype"], name(row)): row["spill_bytes"] for row in at_launch
               if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)}
     assert beyond == {}
+
+
+def test_markdown_against_compares_the_builds_both_runs_have():
+    """Rows at LAUNCH's settings only, matched by dtype, D and kernel (LAVO's causality included); a kernel one run
+    lacks is left out."""
+    from linattn_tools.benchmark.kernel_resources import markdown_against
+
+    def row(kernel, causal, regs, spill, change=None):
+        return dict(dtype="fp16", d=64, kernel=kernel, causal=causal, change=change or {}, registers=regs,
+                    spill_bytes=spill, ffma=10 * spill, tensor_core=regs // 10)
+
+    before = dict(triton="3.6.0", rows=[row("lavo_local", True, 255, 48), row("lavo_local", False, 199, 0),
+                                        row("gone", None, 1, 1)])
+    now = dict(triton="3.6.0", rows=[row("lavo_local", True, 246, 0), row("lavo_local", True, 100, 9, {"WIDE": 3}),
+                                     row("lavo_local", False, 162, 0), row("new", None, 2, 2)])
+    lines = markdown_against(before, now).splitlines()
+    assert lines[2:] == ["| fp16 D=64 lavo_local causal | 255 → 246 | 48 → 0 | 480 → 0 | 25 → 24 |",
+                         "| fp16 D=64 lavo_local | 199 → 162 | 0 → 0 | 0 → 0 | 19 → 16 |"]
