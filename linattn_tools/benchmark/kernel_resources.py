@@ -1,6 +1,7 @@
 """What each fused kernel costs an H100's SM, read from its sm_90 binary without a GPU: registers a thread, bytes a
 thread spills to local memory (ptxas' stack frame), shared memory a block, and the static count of tensor-core
-(HMMA/HGMMA), fp32 FMA and local-memory (STL/LDL) instructions in its SASS (docs/design.md §1.3.1).
+(HMMA/HGMMA), fp32 FMA and local-memory (STL/LDL, and the bytes they move a thread) instructions in its SASS
+(docs/design.md §1.3.1).
 
 Each kernel goes through Triton's whole pipeline for ``GPUTarget("cuda", 90, 32)`` with the Triton installed (its
 bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrides:
@@ -105,7 +106,8 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
 
 def resources(compiled) -> Dict[str, int]:
     """Registers and spilled bytes a thread (ptxas' stack frame), shared memory a block, and static SASS instruction
-    counts (tensor-core products, fp32 FMAs, local-memory stores and loads, all) of a compiled kernel."""
+    counts (tensor-core products, fp32 FMAs, local-memory stores and loads and the bytes they move a thread, all) of
+    a compiled kernel; straight-line code runs each once a program, a loop's body once an iteration."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -115,10 +117,18 @@ def resources(compiled) -> Dict[str, int]:
         sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
                               check=True).stdout
     found = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(SASS_OPCODE, sass))
+    opcodes = re.findall(SASS_OPCODE, sass)
+    ops = collections.Counter(m.split(".")[0] for m in opcodes)
+    local = [m for m in opcodes if m.split(".")[0] in ("STL", "LDL")]
     return dict(registers=int(found["REG"]), spill_bytes=int(found["STACK"]), shared_bytes=compiled.metadata.shared,
                 tensor_core=ops["HGMMA"] + ops["HMMA"], ffma=ops["FFMA"], local_stores=ops["STL"],
-                local_loads=ops["LDL"], instructions=sum(ops.values()))
+                local_loads=ops["LDL"], local_bytes=sum(_width(m) for m in local), instructions=sum(ops.values()))
+
+
+def _width(opcode: str) -> int:
+    """Bytes a thread moves in one local-memory instruction (STL, STL.64, STL.128, LDL.U8 ...)."""
+    bits = re.search(r"\.(128|64|U8|S8|U16|S16)\b", opcode)
+    return {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}[bits.group(1)] if bits else 4
 
 
 def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], overrides: Optional[dict] = None,
@@ -155,20 +165,24 @@ def _line(row: dict) -> str:
     return (f"{row['dtype']} {row['d']:>3} {name(row):<30} {json.dumps(row['change']):<22} warps {row['num_warps']}"
             f" regs {row['registers']:>3} spill {row['spill_bytes']:>5} B shared {row['shared_bytes'] // 1024:>3} KiB"
             f" | mma {row['tensor_core']:>4} ffma {row['ffma']:>5} stl {row['local_stores']:>4}"
-            f" ldl {row['local_loads']:>4} of {row['instructions']}{over}")
+            f" ldl {row['local_loads']:>4} ({row['local_bytes']:>5} B) of {row['instructions']}{over}")
+
+
+COMPARED = ("registers", "spill_bytes", "local_bytes", "ffma", "tensor_core")  # ``markdown_against``'s columns
 
 
 def markdown_against(before: dict, now: dict) -> str:
     """A markdown table of the builds at LAUNCH's settings of two runs' JSON (``before``, ``now``) at the
-    configurations both have: registers, spilled bytes, FFMAs and tensor-core instructions, before -> now."""
+    configurations both have: registers, spilled bytes, local bytes moved, FFMAs and tensor-core instructions, before
+    -> now (static counts)."""
     def keyed(run):
         return {(row["dtype"], row["d"], name(row)): row for row in run["rows"] if not row["change"]}
     old, new = keyed(before), keyed(now)
-    lines = [f"| kernel (Triton {now['triton']}) | registers | spilled B / thread | FFMA | tensor-core |",
-             "|---|---|---|---|---|"]
+    lines = [f"| kernel (Triton {now['triton']}) | registers | spilled B / thread | local B moved / thread | FFMA |"
+             " tensor-core |", "|---|---|---|---|---|---|"]
     for key in (k for k in new if k in old):
         a, b = old[key], new[key]
-        cells = [f"{a[f]} → {b[f]}" for f in ("registers", "spill_bytes", "ffma", "tensor_core")]
+        cells = [f"{a.get(f, '?')} → {b[f]}" for f in COMPARED]
         lines.append(f"| {key[0]} D={key[1]} {key[2]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

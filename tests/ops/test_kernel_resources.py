@@ -33,8 +33,10 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
     [exact] = resources(sys.executable, tmp_path, *args, "--set", json.dumps({"lln_causal_grads": {"TF32": False}}))
     [row] = resources(sys.executable, tmp_path, *args)
     assert exact["registers"] == 255 and exact["spill_bytes"] >= 2048 and exact["local_stores"] > 500
+    assert exact["local_bytes"] >= 4 * (exact["local_stores"] + exact["local_loads"])
     assert exact["ffma"] > 5000
     assert row["spill_bytes"] <= RESIDUAL_SPILL_BYTES["lln_causal_grads"] < exact["spill_bytes"] / 4
+    assert row["local_bytes"] < exact["local_bytes"] / 10
     assert row["ffma"] < exact["ffma"] / 10 and row["tensor_core"] > exact["tensor_core"]
 
 
@@ -75,12 +77,12 @@ def test_markdown_against_compares_the_builds_both_runs_have():
 
     def row(kernel, causal, regs, spill, change=None):
         return dict(dtype="fp16", d=64, kernel=kernel, causal=causal, change=change or {}, registers=regs,
-                    spill_bytes=spill, ffma=10 * spill, tensor_core=regs // 10)
+                    spill_bytes=spill, local_bytes=3 * spill, ffma=10 * spill, tensor_core=regs // 10)
 
     before = dict(triton="3.6.0", rows=[row("lavo_local", True, 255, 48), row("lavo_local", False, 199, 0),
                                         row("gone", None, 1, 1)])
     now = dict(triton="3.6.0", rows=[row("lavo_local", True, 246, 0), row("lavo_local", True, 100, 9, {"WIDE": 3}),
                                      row("lavo_local", False, 162, 0), row("new", None, 2, 2)])
     lines = markdown_against(before, now).splitlines()
-    assert lines[2:] == ["| fp16 D=64 lavo_local causal | 255 → 246 | 48 → 0 | 480 → 0 | 25 → 24 |",
-                         "| fp16 D=64 lavo_local | 199 → 162 | 0 → 0 | 0 → 0 | 19 → 16 |"]
+    assert lines[2:] == ["| fp16 D=64 lavo_local causal | 255 → 246 | 48 → 0 | 144 → 0 | 480 → 0 | 25 → 24 |",
+                         "| fp16 D=64 lavo_local | 199 → 162 | 0 → 0 | 0 → 0 | 0 → 0 | 19 → 16 |"]
