@@ -58,12 +58,13 @@ FLOATS, MASKS = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
 RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 328, "nystrom_rows_grad": 88, "lavo_memory_grad": 112,
                         "lavo_memory_grad causal": 64, "lavo_local_grad": 48, "lavo_local_grad causal": 256}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
-VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants)
+VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
 
 def kernels(half) -> List[Tuple[object, str, dict]]:
-    """(kernel, LAUNCH key, constexprs) of every fused kernel for inputs of the Triton half type ``half``; LAVO's four
-    twice (causal, then non-causal: a window's queries meet its own window's key slots only)."""
+    """(kernel, LAUNCH key, constexprs) of every fused kernel for inputs of the Triton half type ``half``, at the
+    training shapes' sizes (chunks, blocks and windows of 64, 128 landmarks) and the kernels' own row counts; LAVO's
+    four twice (causal, then non-causal: a window's queries meet its own window's key slots only)."""
     common = dict(HALF_TY=half, EMULATE=False, HAS_MASK=True)
     window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True)
     own_window = {**window, "CAUSAL": False}
@@ -74,15 +75,17 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, **common)),
             (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
             (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, **common)),
-            (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=64, **common)),
-            (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=64)),
-            (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=64)),
-            (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad", dict(BLOCK=64, HAS_MASK=True)),
+            (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
+            (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS)),
+            (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),
+            (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
+             dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
-            (nystrom._state, "nystrom_state", dict(BLOCK=64, BL=128, KEYS=True, **common)),
-            (nystrom._readout, "nystrom_readout", dict(BLOCK=64, BL=128, **common)),
-            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BLOCK=32, BL=128, KEYS=True, **common))] + [
+            (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
+            (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
+            (nystrom_backward._rows_grad, "nystrom_rows_grad",
+             dict(BLOCK=nystrom_backward.ROWS, BL=128, KEYS=True, **common))] + [
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
 
 
