@@ -84,8 +84,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
             (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
-            (nystrom_backward._rows_grad, "nystrom_rows_grad",
-             dict(BLOCK=nystrom_backward.ROWS, BL=128, KEYS=True, **common))] + [
+            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common))] + [
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
 
 

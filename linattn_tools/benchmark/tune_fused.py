@@ -44,7 +44,7 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "block_softmax_backward": [dict(num_warps=4), EXACT, TF32X3],
     "nystrom_state": [dict(num_warps=4), dict(num_stages=3)],
     "nystrom_readout": [dict(num_warps=4), EXACT, TF32X3],
-    "nystrom_rows_grad": [dict(num_warps=4), EXACT],  # tf32x3: over the shared memory
+    "nystrom_rows_grad": [dict(BLOCK=16), dict(num_warps=4), EXACT],  # tf32x3: over the shared memory
     "lavo_local": [dict(num_warps=4), dict(num_stages=2)],
     "lavo_memory": [dict(num_warps=8), EXACT, TF32X3],
     "lavo_memory_grad": [dict(num_warps=4), EXACT, TF32X3],

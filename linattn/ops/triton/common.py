@@ -15,14 +15,15 @@ HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dty
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
-# over the chunks (BV at most Dv's block: the whole of it), TF32: the products of unbounded fp32 operands on tensor
-# cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``). Chosen so that no kernel
-# spills registers at D = 64 where a setting can avoid it (read from the sm_90 binaries without a GPU:
+# over the chunks (BV at most Dv's block: the whole of it), BLOCK: rows a step of the Nyström backward (C and dE
+# (BLOCK, L) in registers), TF32: the products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3
+# ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``). Chosen so that no kernel spills registers at D = 64 where
+# a setting can avoid it (read from the sm_90 binaries without a GPU:
 # ``python -m linattn_tools.benchmark.kernel_resources``; docs/design.md §1.3.1): exact fp32 products of 64x64 tiles
-# are FMAs whose operands fill a thread's 255 registers, and 16 of the 22 kernels spilled up to 3 KiB a thread. On the
-# H100 (torch 2.11, Triton 3.6, ``python -m linattn_tools.benchmark.tune_fused``) the two settings that moved an op's
-# time were such switches: 4 warps on ``_state_grad`` (264 B spilled) made the non-causal op 3.1x slower than 8 (none),
-# on ``_grads`` (6.4 KiB against 4.2) the causal op 1.7x. Not yet timed on a GPU since.
+# are FMAs whose operands fill a thread's 255 registers: 16 of 22 kernel builds spilled, up to 4.2 KiB a thread. On
+# the H100 (torch 2.11, Triton 3.6, ``python -m linattn_tools.benchmark.tune_fused``) the two settings that moved an
+# op's time were such switches: 4 warps on ``_state_grad`` (264 B spilled) made the non-causal op 3.1x slower than 8
+# (none), on ``_grads`` (6.4 KiB against 4.2) the causal op 1.7x. Not yet timed on a GPU since.
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
@@ -37,7 +38,7 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "block_softmax_backward": dict(num_warps=8, num_stages=1, TF32=True),
           "nystrom_state": dict(num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=8, num_stages=1, TF32=True),
-          "nystrom_rows_grad": dict(num_warps=8, num_stages=1, TF32=True),
+          "nystrom_rows_grad": dict(BLOCK=32, num_warps=8, num_stages=1, TF32=True),
           "lavo_local": dict(num_warps=8, num_stages=1),
           "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(num_warps=8, num_stages=1, TF32=True),

@@ -18,8 +18,6 @@ from . import nystrom as forward
 from .common import HALF, block, emulate_half_dot, launch, wide_dot
 from .nystrom import kernel_block, landmarks
 
-ROWS = 32  # rows per step of ``_rows_grad``: it holds C and dE (ROWS, L) besides L and its dL (L, D)
-
 
 @triton.jit
 def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, dv_ptr, part_ptr, s, H, N, SPLIT,
@@ -75,16 +73,16 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     du = forward.kernel_state(q, grad, land, used, mask, keys=False)
     dt = (m_inv @ du).contiguous()
     split_rows = forward.SPLIT_ROWS
-    assert split_rows % ROWS == 0, (split_rows, ROWS)
+    settings = launch("nystrom_rows_grad", d, dv_dim)  # its BLOCK: rows a step (C and dE (BLOCK, L) in registers)
+    assert split_rows % settings["BLOCK"] == 0, (split_rows, settings["BLOCK"])
     splits = max(1, triton.cdiv(n, split_rows))
     part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     for first, (x, a, w, dx) in enumerate([(q, grad, u, dq), (k, v, dt, dk)]):
         _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, d ** -0.25, h, n, split_rows,
-                                    first * splits, 2 * splits, d, dv_dim, num, BLOCK=ROWS, BD=block(d),
-                                    BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
-                                    EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, KEYS=first == 1,
-                                    **launch("nystrom_rows_grad", d, dv_dim))
+                                    first * splits, 2 * splits, d, dv_dim, num, BD=block(d), BDV=block(dv_dim),
+                                    BL=block(num), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                                    HAS_MASK=mask is not None, KEYS=first == 1, **settings)
     return dq, dk, dv, part.sum(2), t @ du.mT
 
 
