@@ -3,8 +3,8 @@ thread spills to local memory (ptxas' stack frame), shared memory a block, and t
 (HMMA/HGMMA), fp32 FMA and local-memory (STL/LDL, and the bytes they move a thread) instructions in its SASS
 (docs/design.md §1.3.1).
 
-Each kernel goes through Triton's whole pipeline for ``GPUTarget("cuda", 90, 32)`` with the Triton installed (its
-bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrides:
+Each kernel goes through Triton's whole pipeline for ``GPUTarget("cuda", 90, 32)`` (``--arch 80``: an A100's) with
+the Triton installed (its bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrides:
 
     python -m linattn_tools.benchmark.kernel_resources --json runs/kernel_resources.json
     python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
@@ -48,7 +48,7 @@ from linattn.ops.triton.common import LAUNCH, TF32_SETTINGS, launch
 from .cli import write_json
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
-SHARED_LIMIT = 227 * 1024  # an H100's shared memory a block may opt in to
+SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100/H200 (sm_90), A100 (sm_80)
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr")
@@ -88,10 +88,10 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
 
 
-def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict] = None):
-    """``kernel`` compiled for sm_90 at head size d = Dv, its half pointers ``half`` ("fp16"/"bf16"), at
-    ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's); returns (Triton's compiled kernel, the
-    settings used)."""
+def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict] = None, arch: int = 90):
+    """``kernel`` compiled for sm_``arch`` (90: H100) at head size d = Dv, its half pointers ``half`` ("fp16" or
+    "bf16"), at ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's); returns (Triton's compiled
+    kernel, the settings used)."""
     change = dict(change or {})
     if "TF32" in change:  # as LAUNCH writes it: the kernel's WIDE
         change["WIDE"] = TF32_SETTINGS[change.pop("TF32")]
@@ -102,7 +102,7 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
     types = {p: "constexpr" if p in consts else ("*" + half if p in half_ptrs else "*u8" if p in MASKS else
              "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32") for p in params}
     options = {k: settings[k] for k in ("num_warps", "num_stages")}
-    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                           options=options), settings
 
 
@@ -134,11 +134,11 @@ def _width(opcode: str) -> int:
 
 
 def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], overrides: Optional[dict] = None,
-          only: Optional[List[str]] = None) -> List[dict]:
+          only: Optional[List[str]] = None, arch: int = 90) -> List[dict]:
     """One row per kernel build for each (half dtype, D = Dv) of ``configs``: at LAUNCH's settings (updated by
     ``overrides`` {key: settings}), and at the configurations of ``variants_at`` each kernel's tuning alternatives
     (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
-    the kernels named in ``only`` (LAUNCH keys), or all."""
+    the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch``."""
     rows = []
     for half, d in configs:
         for kernel, key, consts in kernels(HALF[half]):
@@ -149,9 +149,9 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
             changes = [base] + [{**base, name: value} for name, value in VARIANTS
                                 if (half, d) in variants_at and name in own and own[name] != value]
             for change in changes:
-                compiled, settings = build(kernel, key, consts, half, d, change)
+                compiled, settings = build(kernel, key, consts, half, d, change, arch)
                 causal = consts.get("CAUSAL")
-                rows.append(dict(dtype=half, d=d, kernel=key, causal=causal, change=change,
+                rows.append(dict(arch=arch, dtype=half, d=d, kernel=key, causal=causal, change=change,
                                  num_warps=settings["num_warps"], **resources(compiled)))
                 print(_line(rows[-1]), flush=True)
     return rows
@@ -163,7 +163,7 @@ def name(row: dict) -> str:
 
 
 def _line(row: dict) -> str:
-    over = " over the shared memory" if row["shared_bytes"] > SHARED_LIMIT else ""
+    over = " over the shared memory" if row["shared_bytes"] > SHARED_KIB[row["arch"]] * 1024 else ""
     return (f"{row['dtype']} {row['d']:>3} {name(row):<30} {json.dumps(row['change']):<22} warps {row['num_warps']}"
             f" regs {row['registers']:>3} spill {row['spill_bytes']:>5} B shared {row['shared_bytes'] // 1024:>3} KiB"
             f" | mma {row['tensor_core']:>4} ffma {row['ffma']:>5} stl {row['local_stores']:>4}"
@@ -204,17 +204,19 @@ def main(argv=None) -> None:
                         help="pairs of --configs where each kernel's tuning alternatives are built too")
     parser.add_argument("--kernels", nargs="+", choices=sorted(LAUNCH), help="only these (default: all)")
     parser.add_argument("--set", type=json.loads, default={}, help='launch overrides, {"kernel": {"num_warps": 8}}')
+    parser.add_argument("--arch", type=int, choices=sorted(SHARED_KIB), default=90, help="sm_ARCH: 90 H100, 80 A100")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown-against", help="then print a markdown table of this earlier run's JSON -> this one")
     args = parser.parse_args(argv)
-    rows = table(args.configs, args.variants_at, args.set, args.kernels)
+    rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch)
     spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
     beyond = [f"{row['dtype']}:{row['d']} {name(row)}" for row in spilling
               if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)]
-    print(f"{len(rows)} builds; at LAUNCH's settings {len(spilling)} spill; at D = 64 beyond RESIDUAL_SPILL_BYTES: "
-          + (", ".join(beyond) or "none"))
+    print(f"{len(rows)} builds; at LAUNCH's settings {len(spilling)} spill" + (
+        f"; at D = 64 beyond RESIDUAL_SPILL_BYTES: {', '.join(beyond) or 'none'}" if args.arch == 90 else ""))
     if args.json:
-        write_json(Path(args.json), dict(target="sm_90 (H100)", triton=triton.__version__, rows=rows))
+        target = {90: "sm_90 (H100)", 80: "sm_80 (A100)"}[args.arch]
+        write_json(Path(args.json), dict(target=target, triton=triton.__version__, rows=rows))
     if args.markdown_against:
         now = dict(triton=triton.__version__, rows=rows)
         print(markdown_against(json.loads(Path(args.markdown_against).read_text()), now))
