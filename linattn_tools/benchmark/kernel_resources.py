@@ -146,8 +146,8 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
                 continue
             base = (overrides or {}).get(key, {})
             own = launch(key, d)
-            changes = [base] + [{**base, name: value} for name, value in VARIANTS
-                                if (half, d) in variants_at and name in own and own[name] != value]
+            changes = [base] + [{**base, setting: value} for setting, value in VARIANTS
+                                if (half, d) in variants_at and setting in own and own[setting] != value]
             for change in changes:
                 compiled, settings = build(kernel, key, consts, half, d, change, arch)
                 causal = consts.get("CAUSAL")
