@@ -56,7 +56,7 @@ FLOATS, MASKS = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
 # Bytes a thread still spills at D = 64 at LAUNCH's settings, the most of fp16 and bf16 with Triton 3.6 and 3.9 (none
 # of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit the slow tier holds them to
 RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 328, "nystrom_rows_grad": 88, "lavo_memory_grad": 112,
-                        "lavo_memory_grad causal": 64, "lavo_local_grad": 48, "lavo_local_grad causal": 256}
+                        "lavo_memory_grad causal": 64, "lavo_local_grad": 120, "lavo_local_grad causal": 200}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -124,7 +124,27 @@ def resources(compiled) -> Dict[str, int]:
     local = [m for m in opcodes if m.split(".")[0] in ("STL", "LDL")]
     return dict(registers=int(found["REG"]), spill_bytes=int(found["STACK"]), shared_bytes=compiled.metadata.shared,
                 tensor_core=ops["HGMMA"] + ops["HMMA"], ffma=ops["FFMA"], local_stores=ops["STL"],
-                local_loads=ops["LDL"], local_bytes=sum(_width(m) for m in local), instructions=sum(ops.values()))
+                local_loads=ops["LDL"], local_bytes=sum(_width(m) for m in local), instructions=sum(ops.values()),
+                replicated_dots=replicated_dots(compiled.asm["ttgir"]))
+
+
+def replicated_dots(ttgir: str) -> int:
+    """Tensor-core products whose (M, N) result is smaller than its layout's tile of warps, so that warps hold (and
+    compute) the same elements: Triton lays a product whose result flows into another product (a chained dot, as
+    P V after Q K^T) with every warp along M (warpsPerCTA [num_warps, 1]); at 8 warps that is 128 rows, and an
+    M = 64 result is then held whole by each of the two warpgroups, as many registers a thread as at 4 warps."""
+    layouts = {}
+    for name_, body in re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{(.*)\}>", ttgir, re.M):
+        warps = [int(x) for x in re.search(r"warpsPerCTA = \[([\d, ]+)\]", body).group(1).split(",")]
+        instr = [int(x) for x in re.search(r"instrShape = \[([\d, ]+)\]", body).group(1).split(",")]
+        layouts[name_] = (warps[0] * instr[0], warps[1] * instr[1])
+    count = 0
+    for line in ttgir.splitlines():
+        found = re.search(r"(?:warp_group_dot|tt\.dot) .*-> tensor<(\d+)x(\d+)x\w+, (#mma\d*)>", line)
+        if found:
+            rows, cols, layout = int(found.group(1)), int(found.group(2)), found.group(3)
+            count += layouts[layout][0] > rows or layouts[layout][1] > cols
+    return count
 
 
 def _width(opcode: str) -> int:
@@ -167,7 +187,8 @@ def _line(row: dict) -> str:
     return (f"{row['dtype']} {row['d']:>3} {name(row):<30} {json.dumps(row['change']):<22} warps {row['num_warps']}"
             f" regs {row['registers']:>3} spill {row['spill_bytes']:>5} B shared {row['shared_bytes'] // 1024:>3} KiB"
             f" | mma {row['tensor_core']:>4} ffma {row['ffma']:>5} stl {row['local_stores']:>4}"
-            f" ldl {row['local_loads']:>4} ({row['local_bytes']:>5} B) of {row['instructions']}{over}")
+            f" ldl {row['local_loads']:>4} ({row['local_bytes']:>5} B) of {row['instructions']}"
+            f" | replicated dots {row['replicated_dots']}{over}")
 
 
 COMPARED = ("registers", "spill_bytes", "local_bytes", "ffma", "tensor_core")  # ``markdown_against``'s columns

@@ -40,6 +40,19 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
     assert row["ffma"] < exact["ffma"] / 10 and row["tensor_core"] > exact["tensor_core"]
 
 
+def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_rows_are_not(tmp_path):
+    """The causal ``_grads``' in-chunk (C, C) products feed further products: at 8 warps Triton lays them with every
+    warp along their 64 rows, so both warpgroups hold the same tiles (at 4 warps none is replicated); LAVO's causal
+    ``_local_grad`` holds its softmax tiles a key a row, (2w, w) = 128 rows, which 8 warps hold once."""
+    args = ("--configs", "fp16:64", "--kernels")
+    [at_8] = resources(sys.executable, tmp_path, *args, "lln_causal_grads")
+    [at_4] = resources(sys.executable, tmp_path, *args, "lln_causal_grads", "--set",
+                       json.dumps({"lln_causal_grads": {"num_warps": 4}}))
+    assert at_8["num_warps"] == 8 and at_8["replicated_dots"] >= 2 and at_4["replicated_dots"] == 0
+    lavo = {row["causal"]: row for row in resources(sys.executable, tmp_path, *args, "lavo_local_grad")}
+    assert lavo[True]["num_warps"] == 8 and lavo[True]["replicated_dots"] == 0 < lavo[False]["replicated_dots"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("triton_of", ["this venv", "torch 2.11"])
 def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, tmp_path):

@@ -17,7 +17,7 @@ from ..precision import compute_dtype
 from .inputs import LavoInputs, window_valid
 
 MAX_WINDOW = 64  # the largest window: a program holds its (w, 2w) scores and probabilities in registers
-SHARED_MEMORY_KIB = {64: 56, 128: 160}  # the largest kernel block at D <= 64 and <= 128, sm_90
+SHARED_MEMORY_KIB = {64: 72, 128: 160}  # the largest kernel block at D <= 64 and <= 128, sm_90
 
 
 def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch.dtype] = None) -> bool:

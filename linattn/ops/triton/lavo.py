@@ -42,11 +42,13 @@ def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, CAUSAL: tl.c
 
 @triton.jit
 def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo, hi, D, scale, BW: tl.constexpr,
-                 BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr):
+                 BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
+                 BY_KEY: tl.constexpr = False):
     """Query window ``qw`` of head ``pid`` against the key slots (``key_rows``): its queries' positions t (BW,) and
     q (BW, BD) half, the keys' positions and real flags (NK,), k (NK, BD) half and p (BW, NK) fp32, the window
     softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
-    allowed key."""
+    allowed key; BY_KEY: p transposed, (NK, BW), a key a row (its scores k q^T: NK = 2 BW rows causal, which 8 warps
+    hold without replicating them, ``kernel_resources.replicated_dots``)."""
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
     t = qw * W + i
@@ -55,15 +57,24 @@ def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo, hi
     pos, real = key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW, CAUSAL)
     k = tl.load(k_ptr + pid * N * D + pos[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
-    rel = pos[None, :] - t[:, None]
-    band = (rel <= 0) & (rel > -W) if CAUSAL else (pos[None, :] // W) == qw  # keys t-w+1..t, or the own window
-    allowed = band & real[None, :] & q_in[:, None]
+    KEYS: tl.constexpr = 0 if BY_KEY else 1  # the axis of the keys
+    if BY_KEY:
+        rel = pos[:, None] - t[None, :]
+        seen_by = real[:, None] & q_in[None, :]
+        own = (pos[:, None] // W) == qw
+        qk = half_dot(k, tl.trans(q), HALF_TY, EMULATE)
+    else:
+        rel = pos[None, :] - t[:, None]
+        seen_by = real[None, :] & q_in[:, None]
+        own = (pos[None, :] // W) == qw
+        qk = half_dot(q, tl.trans(k), HALF_TY, EMULATE)
+    allowed = seen_by & ((rel <= 0) & (rel > -W) if CAUSAL else own)  # keys t-w+1..t, or the own window
     bias = tl.load(bias_ptr + (pid % H) * (2 * W - 1) + rel + W - 1, mask=allowed, other=0.0)
-    s = tl.where(allowed, half_dot(q, tl.trans(k), HALF_TY, EMULATE) * scale + bias, float("-inf"))
-    top = tl.max(s, 1)
+    s = tl.where(allowed, qk * scale + bias, float("-inf"))
+    top = tl.max(s, KEYS)
     seen = top > float("-inf")
-    e = tl.exp(s - tl.where(seen, top, 0.0)[:, None])  # exp(-inf) = 0 off the allowed keys
-    p = e / tl.where(seen, tl.sum(e, 1), 1.0)[:, None]
+    e = tl.exp(s - tl.expand_dims(tl.where(seen, top, 0.0), KEYS))  # exp(-inf) = 0 off the allowed keys
+    p = e / tl.expand_dims(tl.where(seen, tl.sum(e, KEYS), 1.0), KEYS)
     return t, q_in, q, pos, real, k, p
 
 

@@ -61,10 +61,10 @@ def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_
 
 @triton.jit
 def _own_slots(x, BW: tl.constexpr, CAUSAL: tl.constexpr):
-    """x (BW, NK)'s columns of window m's keys, its last BW slots (causal: x[:, BW:]; non-causal: all of x), as a
+    """x (NK, BW)'s rows of window m's keys, its last BW slots (causal: x[BW:]; non-causal: all of x), as a
     (BW, BW) tensor: window m's keys' gradients accumulate in BW rows, not NK."""
     if CAUSAL:
-        _, x = tl.split(tl.permute(tl.reshape(x, (BW, 2, BW)), (0, 2, 1)))
+        _, x = tl.split(tl.permute(tl.reshape(x, (2, BW, BW)), (1, 2, 0)))
     return x
 
 
@@ -73,7 +73,8 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
                 dv_ptr, dbias_ptr, H, N, NT, NW, W, D, scale, BW: tl.constexpr, BD: tl.constexpr,
                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr):
     """Window m of head ``pid``: dq of its queries (with F_global's share, dqg), the relative bias' share of its
-    queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype."""
+    queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype. The softmax tiles are held a
+    key a row, (NK, BW)."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
@@ -84,8 +85,8 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
         qw = m + step
         if qw < NW:
             lo = (m - 1) * W if step == 0 else (m + 1) * W  # window m's previous window, or window m + 1 itself
-            t, q_in, q, pos, real, k, p = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo,
-                                                       m * W, D, scale, BW, BD, HALF_TY, EMULATE, CAUSAL)
+            t, q_in, q, pos, real, k, pt = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, pid, H, N, NT, W, qw, lo,
+                                                        m * W, D, scale, BW, BD, HALF_TY, EMULATE, CAUSAL, True)
             v = tl.load(v_ptr + pid * N * D + pos[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
                         other=0.0)
             rows = q_in[:, None] & (d[None, :] < D)
@@ -93,26 +94,27 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
             coef = tl.load(coef_ptr + (pid // H) * NW + qw) if CAUSAL else tl.load(coef_ptr + pid // H)
             dwin = tl.load(dwin_ptr + (pid * NW + qw if CAUSAL else pid) * D + d, mask=d < D, other=0.0)
             tok = tl.where(q_in & (tl.load(valid_ptr + (pid // H) * NT + t, mask=q_in, other=0) != 0), 1.0, 0.0)
-            # dL/dF_local = coef grad + tok dwin, so dp = coef grad v^T + tok (v·dwin)
+            # dL/dF_local = coef grad + tok dwin, so dp = coef grad v^T + tok (v·dwin) (here transposed)
             vd = tl.sum(v.to(tl.float32) * dwin[None, :], 1)
-            dp = coef * half_dot(g, tl.trans(v), HALF_TY, EMULATE) + tok[:, None] * vd[None, :]
-            ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # the window softmax's backward
+            dpt = coef * half_dot(v, tl.trans(g), HALF_TY, EMULATE) + vd[:, None] * tok[None, :]
+            dst = pt * (dpt - tl.sum(dpt * pt, 0)[None, :])  # the window softmax's backward
             if step == 0:
                 at = pid * N * D + t[:, None] * D + d[None, :]
-                dq = tl.load(dqg_ptr + at, mask=rows, other=0.0) + wide_dot(ds, k.to(tl.float32), WIDE) * scale
+                dq = tl.load(dqg_ptr + at, mask=rows, other=0.0) + wide_dot(tl.trans(dst), k.to(tl.float32),
+                                                                            WIDE) * scale
                 tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=rows)
-                # the bias P[o] gets ds[i, key at t_i + o - w + 1]: the slots of that key, gathered per row
+                # the bias P[o] gets ds[key at t_i + o - w + 1, i]: the slots of that key, gathered per query
                 o = tl.arange(0, 2 * BW)
-                key = t[:, None] + o[None, :] - W + 1
+                key = t[None, :] + o[:, None] - W + 1
                 hi = (key >= m * W) & (key < m * W + W)
                 low = CAUSAL & (key >= lo) & (key < lo + W)
                 slot = tl.where(hi, key - m * W + NK - BW, tl.where(low, key - lo, 0))
-                per = tl.sum(tl.where(hi | low, tl.gather(ds, slot, 1), 0.0), 0)
+                per = tl.sum(tl.where(hi | low, tl.gather(dst, slot, 0), 0.0), 1)
                 tl.store(dbias_ptr + (pid * NW + m) * (2 * W - 1) + o, per, mask=o < 2 * W - 1)
-            p_own = _own_slots(p, BW, CAUSAL)
-            dv += coef * half_dot(tl.trans(p_own), g, HALF_TY, EMULATE)
-            dv += tl.sum(p_own * tok[:, None], 0)[:, None] * dwin[None, :]
-            dk += wide_dot(tl.trans(_own_slots(ds, BW, CAUSAL)), q.to(tl.float32), WIDE) * scale
+            pt_own = _own_slots(pt, BW, CAUSAL)
+            dv += coef * half_dot(pt_own, g, HALF_TY, EMULATE)
+            dv += tl.sum(pt_own * tok[None, :], 1)[:, None] * dwin[None, :]
+            dk += wide_dot(_own_slots(dst, BW, CAUSAL), q.to(tl.float32), WIDE) * scale
     j = tl.arange(0, BW)
     pos = m * W + j
     keys = ((j < W) & (pos < N))[:, None] & (d[None, :] < D)
