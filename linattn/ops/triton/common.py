@@ -6,6 +6,7 @@ NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its 
 """
 import json
 import os
+from typing import Tuple
 
 import torch
 import triton
@@ -73,6 +74,31 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
         wide = TF32_SETTINGS[tf32]
         settings["WIDE"] = wide + 1 if wide and os.environ.get("TRITON_INTERPRET") == "1" else wide
     return settings
+
+
+def rows_of(x: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """x (B,H,N,X) as a kernel reads it, with its head and row strides (element c of row n of head ``pid``, in B*H
+    order, at ``pid * head + n * row + c``): x itself where it is contiguous or in fairseq's layout (the projections'
+    (N,B,H,X) viewed (B,H,N,X), as ``new_rows`` makes it): no copy; else a contiguous copy."""
+    b, h, n, c = x.shape
+    if _strided(x, (h * c, c, b * h * c, 1)):
+        return x, c, b * h * c
+    x = x.contiguous()
+    return x, n * c, c
+
+
+def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty (B,H,N,width) tensor with the rows of ``like`` (B,H,N,X) in its layout (``rows_of``): fairseq's
+    (N,B,H,width) viewed (B,H,N,width), or contiguous."""
+    b, h, n, c = like.shape
+    if _strided(like, (h * c, c, b * h * c, 1)):
+        return like.new_empty((n, b, h, width), dtype=dtype).permute(1, 2, 0, 3)
+    return like.new_empty((b, h, n, width), dtype=dtype)
+
+
+def _strided(x: torch.Tensor, strides: Tuple[int, ...]) -> bool:
+    """Whether x has these strides along its dimensions longer than 1."""
+    return all(s == want for s, want, size in zip(x.stride(), strides, x.shape) if size > 1)
 
 
 def block(n: int) -> int:

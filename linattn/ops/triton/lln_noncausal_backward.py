@@ -17,30 +17,31 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, launch, load_state, wide_dot
+from .common import block, launch, load_state, new_rows, rows_of, wide_dot
 
 
 @triton.jit
-def _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid, rows, N, D, DV, BD: tl.constexpr,
-                 BDV: tl.constexpr):
+def _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid, rows, N, D, DV,
+                 BD: tl.constexpr, BDV: tl.constexpr):
     """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows,
     out as the forward stored it."""
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     ok = rows < N
-    qq = tl.load(q_ptr + pid * N * D + rows[:, None] * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=ok[:, None] & (d[None, :] < D),
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))
     fq = tl.where(ok[:, None], tl.exp(a - tl.max(a, 1)[:, None]), 0.0)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # clamped to >= TINY by the forward
-    ate = pid * N * DV + rows[:, None] * DV + e[None, :]
-    out = tl.load(out_ptr + ate, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
-    gr = tl.load(grad_ptr + ate, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
+    re = ok[:, None] & (e[None, :] < DV)
+    out = tl.load(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], mask=re, other=0.0).to(tl.float32)
+    gr = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=re, other=0.0).to(tl.float32)
     return fq, gr * (scale / den)[:, None], -tl.sum(gr * out, 1) * (scale / den)
 
 
 @triton.jit
-def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, scale, N, SPLIT, D, DV,
+def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, QH, QR, GH, GR, OH, OR, scale, N,
+                SPLIT, D, DV,
                 BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
@@ -53,7 +54,7 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, s
     first = tl.program_id(1) * SPLIT
     end = tl.minimum(first + SPLIT, N)
     for start in range(first, end, BLOCK):
-        fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid,
+        fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid,
                                    start + tl.arange(0, BLOCK), N, D, DV, BD, BDV)  # SPLIT: a multiple of BLOCK
         dsv += wide_dot(tl.trans(fq), go, WIDE)
         dsz += tl.sum(fq * goz[:, None], 0)
@@ -64,10 +65,10 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, s
 
 @triton.jit
 def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr,
-               dq_ptr, dk_ptr, dv_ptr, scale, H, N, S, D, DV, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-               HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
+               dq_ptr, dk_ptr, dv_ptr, QH, QR, KH, KR, VH, VR, GH, GR, OH, OR, scale, H, N, S, D, DV,
+               BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
-    the inputs' dtype)."""
+    the inputs' dtype; dq, dk, dv strided as q, k, v)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
@@ -75,24 +76,25 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_pt
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     sv, sz = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
-    fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, alpha, m, den_ptr, scale, pid, rows, N, D, DV, BD, BDV)
+    fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid, rows,
+                               N, D, DV, BD, BDV)
     dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
-    tl.store(dq_ptr + pid * N * D + rows[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + pid * QH + rows[:, None] * QR + d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (d[None, :] < D))
     ok = rows < S
     if HAS_MASK:
         ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
     live = ok[:, None] & (d[None, :] < D)
     beta = tl.load(beta_ptr + pid)
-    kk = tl.load(k_ptr + pid * S * D + rows[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+    kk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=live, other=0.0).to(tl.float32)
     fk = tl.exp(tl.where(live, kk * beta - m[None, :], float("-inf")))  # padded keys: exp(-inf) = 0
     dsv, dsz = load_state(ds_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
-    at = rows[:, None] * DV + e[None, :]
-    vv = tl.load(v_ptr + pid * S * DV + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
+    at = pid * VH + rows[:, None] * VR + e[None, :]
+    vv = tl.load(v_ptr + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     dk = (wide_dot(vv, tl.trans(dsv), WIDE) + dsz[None, :]) * fk * beta
     inside = (rows[:, None] < S) & (d[None, :] < D)
-    tl.store(dk_ptr + pid * S * D + rows[:, None] * D + d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=inside)
-    tl.store(dv_ptr + pid * S * DV + at, wide_dot(fk, dsv, WIDE).to(dv_ptr.dtype.element_ty),
+    tl.store(dk_ptr + pid * KH + rows[:, None] * KR + d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=inside)
+    tl.store(dv_ptr + at, wide_dot(fk, dsv, WIDE).to(dv_ptr.dtype.element_ty),
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
 
@@ -105,17 +107,20 @@ def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: T
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    q, k, v, grad, out, m, s, den = (t.contiguous() for t in (q, k, v, grad, out, m, s, den))
+    (q, qh, qr), (k, kh, kr), (v, vh, vr), (grad, gh, gr), (out, oh, o_r) = (rows_of(t) for t in (q, k, v, grad, out))
+    m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
     splits = max(1, triton.cdiv(n, split_rows))
     part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
-    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, scale, n, split_rows, d, dv_dim, BLOCK=rows,
+    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, qh, qr, gh, gr, oh, o_r, scale, n, split_rows, d,
+                                 dv_dim, BLOCK=rows,
                                  BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
     ds = part.sum(2)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
-        q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, scale, h, n, length, d, dv_dim, BLOCK=rows,
+        q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, qh, qr, kh, kr, vh, vr, gh, gr, oh, o_r,
+        scale, h, n, length, d, dv_dim, BLOCK=rows,
         BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
     return dq, dk, dv
 
@@ -126,4 +131,5 @@ def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
 
 
 def _empty(q: Tensor, k: Tensor, v: Tensor):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    """dq, dk, dv: the rows of q, k, v in their layouts."""
+    return tuple(new_rows(t, t.shape[-1], t.dtype) for t in (q, k, v))
