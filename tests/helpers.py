@@ -37,6 +37,40 @@ def fairseq_layout(*tensors: torch.Tensor):
     return tuple(t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in tensors)
 
 
+def sliced_layout(*tensors: torch.Tensor):
+    """(B,H,T,D) tensors whose rows are 2D apart (the first half of a wider tensor): a layout the fused kernels copy."""
+    out = []
+    for t in tensors:
+        wide = t.new_zeros(*t.shape[:3], 2 * t.shape[3])
+        wide[..., :t.shape[3]] = t
+        out.append(wide[..., :t.shape[3]])
+    return tuple(out)
+
+
+LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),), "sliced": sliced_layout}
+
+
+def check_fused_layouts(run, leaves, grad, layouts) -> None:
+    """``run(q, k, v)`` of a fused op with q, k, v and dL/d(out) laid out as ``layouts`` (names of ``LAYOUTS``, in that
+    order) gives the output and gradients of contiguous ``leaves`` (q, k, v) and ``grad``, bit for bit; the output
+    has q's layout and each gradient its input's, where the kernels read it in place (fairseq's or contiguous: then
+    the module's head merge and the projections' backward copy nothing), contiguous otherwise (sliced)."""
+    out = run(*leaves)
+    want = torch.autograd.grad(out, leaves, grad)
+    moved = [LAYOUTS[name](t.detach())[0].requires_grad_() for name, t in zip(layouts, leaves)]
+    got_out = run(*moved)
+    got = torch.autograd.grad(got_out, moved, LAYOUTS[layouts[3]](grad)[0])
+    assert torch.equal(got_out, out) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got_out.stride() == LAYOUTS["contiguous" if layouts[0] == "sliced" else layouts[0]](out)[0].stride()
+    for g, t, name in zip(got, moved, layouts):
+        assert (g.stride() == t.stride()) == (name != "sliced"), name
+
+
+# q, k, v and dL/d(out): all in fairseq's layout, and mixes that tell one tensor's strides from another's
+LAYOUT_CASES = [("fairseq",) * 4, ("fairseq", "contiguous", "fairseq", "sliced"),
+                ("sliced", "fairseq", "contiguous", "fairseq")]
+
+
 def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e-9) -> None:
     """out == ref (float64 tolerances), and so are their gradients w.r.t. ``inputs`` for one random output grad."""
     torch.testing.assert_close(out, ref, rtol=rtol * 0.1, atol=atol * 0.1)

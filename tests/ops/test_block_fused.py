@@ -5,7 +5,7 @@ with a shorter last one, padding left and right (whole blocks of it: rows that s
 causalities, fp16 and bf16; the causal leak test; the meta device; one custom op each way."""
 import pytest
 import torch
-from helpers import compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
@@ -58,6 +58,20 @@ def test_fused_matches_the_float64_reference_with_gradients(gen, op, dtype, caus
     assert out.dtype == q.dtype and rel_err(out, ref) < tolerance(method, dtype)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)), want):
         assert g.dtype == q.dtype and rel_err(g, w) < tolerance(method, dtype, gradient=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layouts", LAYOUT_CASES)
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, op, causal, layouts):
+    """q, k, v and dL/d(out) in fairseq's layout, contiguous or another: the contiguous run's output and gradients,
+    bit for bit, in the inputs' layouts where the kernels read them in place (``helpers.check_fused_layouts``);
+    LLN+Diag's block backward adds LLN's gradients in the kernel."""
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = padding_mask(2, 19, "right", gen)
+    grad = torch.randn(2, 2, 19, 12, generator=gen).half()
+    fn = block if op == "block" else lln_diag
+    check_fused_layouts(lambda *qkv: fn(*qkv, "fused", causal=causal, mask=mask), (q, k, v), grad, layouts)
 
 
 def test_fused_block_rows_that_see_no_key_give_zero(gen):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
@@ -120,42 +120,16 @@ def test_fused_shifts_ignore_what_padded_keys_hold(gen, causal, side):
     check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
 
 
-def fairseq_layout(x):
-    """x (B,H,N,X) as fairseq's projections give it: (N,B,H,X) memory viewed (B,H,N,X); a leaf if x is one."""
-    out = x.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-    return out.requires_grad_(x.requires_grad)
-
-
-def sliced(x):
-    """x (B,H,N,X) in a layout the kernels do not take (rows 2X apart): they read a contiguous copy."""
-    wide = torch.zeros(*x.shape[:3], 2 * x.shape[3], dtype=x.dtype)
-    wide[..., :x.shape[3]] = x.detach()
-    return wide[..., :x.shape[3]].requires_grad_(x.requires_grad)
-
-
-def contiguous(x):
-    return x
-
-
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("layouts", [(fairseq_layout,) * 4, (fairseq_layout, contiguous, fairseq_layout, sliced),
-                                     (sliced, fairseq_layout, contiguous, fairseq_layout)])
+@pytest.mark.parametrize("layouts", LAYOUT_CASES)
 def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, layouts):
-    """q, k, v and dL/d(out) (``layouts``, in that order) in fairseq's layout ((N,B,H,X) viewed (B,H,N,X), as the
-    module's head split gives them), contiguous, or another: the same output and gradients, bit for bit, as from
-    contiguous tensors; the output (q's rows) and each gradient in its tensor's layout where the kernels read it in
-    place (then the module's head merge and the projections' backward copy nothing), contiguous otherwise."""
+    """q, k, v and dL/d(out) in fairseq's layout ((N,B,H,X) viewed (B,H,N,X), as the module's head split gives
+    them), contiguous, or another: the contiguous run's output and gradients, bit for bit, in the inputs' layouts
+    where the kernels read them in place (``helpers.check_fused_layouts``)."""
     q, k, v = inputs(gen, torch.float16, 19)
     mask = padding_mask(2, 19, "left", gen)
-    out = run(q, k, v, "fused", causal=causal, mask=mask)
-    grad = torch.randn(out.shape, generator=gen).half()
-    want = torch.autograd.grad(out, (q, k, v), grad)
-    leaves = [layout(t) for layout, t in zip(layouts, (q, k, v))]
-    got_out = run(*leaves, "fused", causal=causal, mask=mask)
-    got = torch.autograd.grad(got_out, leaves, layouts[3](grad))
-    assert torch.equal(got_out, out) and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert got_out.stride() == (fairseq_layout(out) if layouts[0] is fairseq_layout else out).stride()
-    assert all((g.stride() == t.stride()) == (layout is not sliced) for g, t, layout in zip(got, leaves, layouts))
+    grad = torch.randn(2, 2, 19, 12, generator=gen).half()
+    check_fused_layouts(lambda *qkv: run(*qkv, "fused", causal=causal, mask=mask), (q, k, v), grad, layouts)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -35,8 +35,8 @@ def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[T
 
 def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
              add_to: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (B,H,N,·) fp32 of ``scale`` * block softmax (probabilities recomputed), plus ``add_to`` (another
-    part's dq, dk, dv, as LLN's in LLN+Diag) if given."""
+    """dq, dk, dv (B,H,N,·) in q's dtype of ``scale`` * block softmax (probabilities recomputed), plus ``add_to``
+    (another part's dq, dk, dv, as LLN's in LLN+Diag) if given, added in fp32 in the kernel."""
     from ..triton.block_softmax import block_softmax_backward
-    grads = block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.block, x.causal, float(scale))
-    return grads if add_to is None else tuple(g.add_(a) for g, a in zip(grads, add_to))
+    return block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.block, x.causal, float(scale),
+                                  *(add_to or (None, None, None)))

@@ -4,7 +4,8 @@
 Forward: P = softmax(q kᵀ / sqrt(D)) over the keys of the query's own block that it may see (not padded, before the
 end, not later if causal), 0 on a row that sees none; out = P v, or 0.5 (average_with + P v) (LLN+Diag's average).
 Backward, P recomputed: dP = g vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)) / sqrt(D), dq = dS k, dk = dSᵀ q, dv = Pᵀ g, all
-times ``scale``. q kᵀ and g vᵀ multiply half inputs, P v and Pᵀ g a product ≤ 1 with half values: tensor cores with
+times ``scale``, plus another part's gradients (LLN's, in LLN+Diag) where given, added in fp32 and stored once in the
+inputs' dtype. q kᵀ and g vᵀ multiply half inputs, P v and Pᵀ g a product ≤ 1 with half values: tensor cores with
 fp32 accumulation; dS is unbounded, so its products are ``wide_dot``'s (fp32, or tf32 as ``LAUNCH`` sets).
 """
 import math
@@ -15,18 +16,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, block_rows, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, TINY, block, block_rows, emulate_half_dot, half_dot, launch, new_rows, rows_of, wide_dot
 
 
 @triton.jit
-def _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr, BD: tl.constexpr,
-           HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+def _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr,
+           BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
+           HAS_MASK: tl.constexpr):
     """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB)."""
     d = tl.arange(0, BD)
     i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, HAS_MASK)
-    at = pid * N * D + rows[:, None] * D + d[None, :]
-    qq = tl.load(q_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)
-    kk = tl.load(k_ptr + at, mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    inside = ok[:, None] & (d[None, :] < D)
+    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=inside, other=0.0)
+    kk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=inside, other=0.0)
     visible = key_ok[None, :] & ok[:, None]
     if CAUSAL:
         visible = visible & (i[None, :] <= i[:, None])
@@ -38,93 +40,118 @@ def _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB: tl.const
 
 
 @triton.jit
-def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, H, N, D, DV, BS, sm_scale, BB: tl.constexpr,
-             BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr):
-    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v)."""
+def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, QH, QR, KH, KR, VH, VR, AH, AR, OH, OR, H, N, D, DV, BS,
+             sm_scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
+             EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr):
+    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); each tensor strided XH a head and XR a row
+    (``common.rows_of``)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB, BD, HALF_TY, EMULATE,
-                               CAUSAL, HAS_MASK)
+    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB, BD,
+                               HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     e = tl.arange(0, BDV)
-    at = pid * N * DV + rows[:, None] * DV + e[None, :]
     inside = ok[:, None] & (e[None, :] < DV)
-    vv = tl.load(v_ptr + at, mask=inside, other=0.0)
+    vv = tl.load(v_ptr + pid * VH + rows[:, None] * VR + e[None, :], mask=inside, other=0.0)
     o = half_dot(p, vv, HALF_TY, EMULATE)
     if AVERAGE:
-        o = 0.5 * (tl.load(avg_ptr + at, mask=inside, other=0.0) + o)
-    tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=inside)
+        o = 0.5 * (tl.load(avg_ptr + pid * AH + rows[:, None] * AR + e[None, :], mask=inside, other=0.0) + o)
+    tl.store(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], o.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, dq_ptr, dk_ptr, dv_ptr, H, N, D, DV, BS, sm_scale, scale,
-              BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
-    """One block of one head: dq, dk (BS, D), dv (BS, DV) in fp32, of ``scale`` x block softmax."""
+def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, QH, QR, KH, KR,
+              VH, VR, GH, GR, H, N, D, DV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr,
+              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_MASK: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr):
+    """One block of one head: dq, dk (BS, D), dv (BS, DV) of ``scale`` x block softmax, computed in fp32, plus (ADD)
+    aq, ak, av, stored in the inputs' dtype; the gradients and their addends strided as q, k, v."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, blk, pid, H, N, D, BS, sm_scale, BB, BD, HALF_TY, EMULATE,
-                                 CAUSAL, HAS_MASK)
+    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB, BD,
+                                 HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
-    ate = pid * N * DV + rows[:, None] * DV + e[None, :]
     inside = ok[:, None] & (e[None, :] < DV)
-    vv = tl.load(v_ptr + ate, mask=inside, other=0.0)
-    gg = tl.load(grad_ptr + ate, mask=inside, other=0.0)
+    at_v = pid * VH + rows[:, None] * VR + e[None, :]
+    vv = tl.load(v_ptr + at_v, mask=inside, other=0.0)
+    gg = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=inside, other=0.0)
     dp = half_dot(gg, tl.trans(vv), HALF_TY, EMULATE)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * (sm_scale * scale)
-    atd = pid * N * D + rows[:, None] * D + d[None, :]
     inside_d = ok[:, None] & (d[None, :] < D)
-    tl.store(dq_ptr + atd, wide_dot(ds, kk, WIDE), mask=inside_d)
-    tl.store(dk_ptr + atd, wide_dot(tl.trans(ds), qq, WIDE), mask=inside_d)
-    tl.store(dv_ptr + ate, half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale, mask=inside)
+    at_q = pid * QH + rows[:, None] * QR + d[None, :]
+    at_k = pid * KH + rows[:, None] * KR + d[None, :]
+    dq = wide_dot(ds, kk, WIDE)
+    dk = wide_dot(tl.trans(ds), qq, WIDE)
+    dv = half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale
+    if ADD:
+        dq += tl.load(aq_ptr + at_q, mask=inside_d, other=0.0).to(tl.float32)
+        dk += tl.load(ak_ptr + at_k, mask=inside_d, other=0.0).to(tl.float32)
+        dv += tl.load(av_ptr + at_v, mask=inside, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + at_q, dq.to(dq_ptr.dtype.element_ty), mask=inside_d)
+    tl.store(dk_ptr + at_k, dk.to(dk_ptr.dtype.element_ty), mask=inside_d)
+    tl.store(dv_ptr + at_v, dv.to(dv_ptr.dtype.element_ty), mask=inside)
 
 
 @torch.library.custom_op("linattn::block_softmax", mutates_args=())
 def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block_size: int, causal: bool,
                   average_with: Optional[Tensor]) -> Tensor:
     """q, k (B,H,N,D), v (B,H,N,Dv) half; mask (B,N) True = padded key, or None; ``block_size`` rows a block (<= N);
-    ``average_with`` (B,H,N,Dv) fp32 or None -> block softmax (B,H,N,Dv), or 0.5 (average_with + it), q's dtype."""
+    ``average_with`` (B,H,N,Dv) fp32 or None -> block softmax (B,H,N,Dv), or 0.5 (average_with + it), q's dtype, in
+    q's layout (``common.new_rows``)."""
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    out = q.new_empty((b, h, n, dv))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = new_rows(q, dv, q.dtype)
+    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    avg = out if average_with is None else average_with.contiguous()
+    avg, ah, ar = rows_of(out if average_with is None else average_with)
     _forward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, mask_u8, avg, out, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size), BD=block(d),
-        BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
-        HAS_MASK=mask is not None, AVERAGE=average_with is not None, **launch("block_softmax", d))
+        q, k, v, mask_u8, avg, out, qh, qr, kh, kr, vh, vr, ah, ar, *rows_of(out)[1:], h, n, d, dv, block_size,
+        1 / math.sqrt(d), BB=block(block_size), BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype],
+        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None,
+        AVERAGE=average_with is not None, **launch("block_softmax", d))
     return out
 
 
 @block_softmax.register_fake
 def _(q, k, v, mask, block_size, causal, average_with):
-    return q.new_empty(q.shape[:3] + v.shape[3:])
+    return new_rows(q, v.shape[-1], q.dtype)
 
 
 @torch.library.custom_op("linattn::block_softmax_backward", mutates_args=())
 def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor], block_size: int,
-                           causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in fp32 of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype)."""
+                           causal: bool, scale: float, add_q: Optional[Tensor], add_k: Optional[Tensor],
+                           add_v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype), plus
+    add_q, add_k, add_v (another part's gradients, or all None) added in fp32; in q's dtype and the layouts of q, k,
+    v (``common.new_rows``)."""
     b, h, n, d = q.shape
     dv_dim = v.shape[-1]
-    dq, dk, dv = _empty_grads(q, v)
-    q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.to(q.dtype).contiguous()
+    dq, dk, dv = _empty_grads(q, k, v)
+    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
+    grad, gh, gr = rows_of(grad.to(q.dtype))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    add = add_q is not None
+    addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
     _backward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, grad, mask_u8, dq, dk, dv, h, n, d, dv_dim, block_size, 1 / math.sqrt(d), float(scale),
-        BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
-        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None,
+        q, k, v, grad, mask_u8, *addends, dq, dk, dv, qh, qr, kh, kr, vh, vr, gh, gr, h, n, d, dv_dim, block_size,
+        1 / math.sqrt(d), float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
+        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add,
         **launch("block_softmax_backward", d))
     return dq, dk, dv
 
 
 @block_softmax_backward.register_fake
-def _(q, k, v, grad, mask, block_size, causal, scale):
-    return _empty_grads(q, v)
+def _(q, k, v, grad, mask, block_size, causal, scale, add_q, add_k, add_v):
+    return _empty_grads(q, k, v)
 
 
-def _empty_grads(q: Tensor, v: Tensor):
-    f32 = dict(dtype=torch.float32)
-    return q.new_empty(q.shape, **f32), q.new_empty(q.shape, **f32), v.new_empty(v.shape, **f32)
+def _empty_grads(q: Tensor, k: Tensor, v: Tensor):
+    """dq, dk, dv in q's dtype, in the layouts of q, k, v."""
+    return tuple(new_rows(t, t.shape[-1], q.dtype) for t in (q, k, v))
+
+
+def _strided_as(addend: Tensor, out: Tensor) -> Tensor:
+    """``addend`` with the strides of ``out`` (the kernel reads both at the same offsets): itself, or a copy."""
+    if addend.stride() == out.stride():
+        return addend
+    return torch.empty_like(out, dtype=addend.dtype).copy_(addend)
