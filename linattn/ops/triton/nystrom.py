@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, emulate_half_dot, half_dot, launch, wide_dot
+from .common import HALF, block, emulate_half_dot, half_dot, launch, new_rows, rows_of, wide_dot
 
 ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
 SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
@@ -39,16 +39,17 @@ def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def kernel_block(x_ptr, mask_ptr, pid, H, rows, end, raw, raw_sq, used, s2, D, BD: tl.constexpr,
+def kernel_block(x_ptr, mask_ptr, XH, XR, pid, H, rows, end, raw, raw_sq, used, s2, D, BD: tl.constexpr,
                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr):
-    """Rows ``rows`` (< end) of Q or K (KEYS) of head ``pid``: x (R, BD) in HALF_TY (a padded query 0), C =
+    """Rows ``rows`` (< end) of Q or K (KEYS, strided XH a head and XR a row) of head ``pid``: x (R, BD) in HALF_TY (a
+    padded query 0), C =
     kappa(x_s, L) (R, BL) fp32 (0 on rows past the end and on padded keys), and whether each row is a real token."""
     d = tl.arange(0, BD)
     inside = rows < end
     real = inside
     if HAS_MASK:
         real = inside & (tl.load(mask_ptr + (pid // H) * end + rows, mask=inside, other=1) == 0)
-    x = tl.load(x_ptr + pid * end * D + rows[:, None] * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
+    x = tl.load(x_ptr + pid * XH + rows[:, None] * XR + d[None, :], mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     x32 = x.to(tl.float32)
     # E = x_s·L - |x_s|²/2 - |L|²/2 = D^(-1/2) (x·l - |x|²/2 - |l|²/2) <= 0 (Skyformer §4.1), clamped for rounding
@@ -60,7 +61,8 @@ def kernel_block(x_ptr, mask_ptr, pid, H, rows, end, raw, raw_sq, used, s2, D, B
 
 
 @triton.jit
-def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, s, H, N, SPLIT, D, DV, L, BLOCK: tl.constexpr,
+def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, XH, XR, WH, WR, s, H, N, SPLIT, D, DV, L,
+           BLOCK: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
            HAS_MASK: tl.constexpr, KEYS: tl.constexpr):
     """One split of one head: part (L, DV) = C^T W over its SPLIT rows of X (K if KEYS, else Q) and W (half)."""
@@ -72,10 +74,10 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, s, H, N, SPLIT,
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        x, c, real = kernel_block(x_ptr, mask_ptr, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY,
-                                  EMULATE, HAS_MASK, KEYS)  # x: unused
+        x, c, real = kernel_block(x_ptr, mask_ptr, XH, XR, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD,
+                                  HALF_TY, EMULATE, HAS_MASK, KEYS)  # x: unused
         live = real if KEYS else rows < N  # a padded key's values reach nothing, whatever they hold
-        w = tl.load(w_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], mask=live[:, None] & (e[None, :] < DV),
+        w = tl.load(w_ptr + pid * WH + rows[:, None] * WR + e[None, :], mask=live[:, None] & (e[None, :] < DV),
                     other=0.0)
         acc += half_dot(tl.trans(c), w, HALF_TY, EMULATE)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * L * DV  # part (B, H, splits, L, DV)
@@ -83,7 +85,8 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, s, H, N, SPLIT,
 
 
 @triton.jit
-def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, s, H, N, D, DV, L, BLOCK: tl.constexpr,
+def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, QH, QR, OH, OR, s, H, N, D, DV, L,
+             BLOCK: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
              HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
     """One block of queries of one head: out = C_Q U (U = M^-T T, (L, DV) fp32), stored in q's dtype."""
@@ -92,24 +95,27 @@ def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, s, H, N, D, DV
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
     raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
-    _, c, _ = kernel_block(q_ptr, mask_ptr, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY, EMULATE,
-                          HAS_MASK, False)
+    _, c, _ = kernel_block(q_ptr, mask_ptr, QH, QR, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY,
+                          EMULATE, HAS_MASK, False)
     u = tl.load(u_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),
                 other=0.0)
     out = wide_dot(c, u, WIDE)
-    tl.store(out_ptr + pid * N * DV + rows[:, None] * DV + e[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (e[None, :] < DV))
 
 
 def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optional[Tensor], keys: bool) -> Tensor:
     """C^T W (B,H,L,Dv) fp32 for C = kappa(X_s, L) over all rows of x (B,H,N,D) (K if ``keys``, else Q) and w
-    (B,H,N,Dv) half; land (B,H,L,D) fp32, used (B,L) fp32 factors, mask (B,N) or None (True = padded)."""
+    (B,H,N,Dv) half (``common.rows_of``'s layouts: read in place); land (B,H,L,D) fp32, used (B,L) fp32 factors, mask
+    (B,N) or None (True = padded)."""
     b, h, n, d = x.shape
+    (x, xh, xr), (w, wh, wr) = rows_of(x), rows_of(w)
     dv, num = w.shape[-1], land.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
     splits = max(1, triton.cdiv(n, SPLIT_ROWS))
     part = land.new_empty((b, h, splits, num, dv))  # each split's share, summed below: deterministic, no atomics
-    _state[(b * h, splits)](x, w, land, used, _mask_u8(mask, x), part, d ** -0.25, h, n, SPLIT_ROWS, d, dv, num,
+    _state[(b * h, splits)](x, w, land, used, _mask_u8(mask, x), part, xh, xr, wh, wr, d ** -0.25, h, n, SPLIT_ROWS,
+                            d, dv, num,
                             BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
                             EMULATE=emulate_half_dot(x.dtype), HAS_MASK=mask is not None, KEYS=keys,
                             **launch("nystrom_state", d))
@@ -130,10 +136,11 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     out = _empty(q, v)
     b, h, n, d = q.shape
     dv, num = v.shape[-1], land.shape[2]
-    q, k, v, land, used = q.contiguous(), k.contiguous(), v.contiguous(), land.contiguous(), used.contiguous()
+    (q, qh, qr), land, used = rows_of(q), land.contiguous(), used.contiguous()
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, land, used, _mask_u8(mask, q), u, out, d ** -0.25, h, n, d, dv, num,
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, land, used, _mask_u8(mask, q), u, out, qh, qr, *rows_of(out)[1:],
+                                           d ** -0.25, h, n, d, dv, num,
                                            BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
                                            HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                                            HAS_MASK=mask is not None, **launch("nystrom_readout", d))
@@ -147,5 +154,6 @@ def _(q, k, v, land, m_inv, used, mask):
 
 
 def _empty(q: Tensor, v: Tensor) -> Tensor:
-    return q.new_empty(q.shape[:3] + v.shape[3:])
+    """The output: q's rows, v's width, q's layout (``common.new_rows``)."""
+    return new_rows(q, v.shape[-1], q.dtype)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
@@ -126,6 +126,16 @@ def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, 
                                                             "nystrom_rows_grad": {"TF32": False}}))
     check_against_reference(gen, q, k, v, dtype, mask=mask)
     assert all(not torch.equal(a, b) for a, b in zip(values(), tf32))
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_CASES)
+def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, layouts):
+    """q, k, v and dL/d(out) in fairseq's layout, contiguous or another: the contiguous run's output and gradients,
+    bit for bit, in the inputs' layouts where the kernels read them in place (``helpers.check_fused_layouts``)."""
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = padding_mask(2, 19, "left", gen)
+    grad = torch.randn(2, 2, 19, 12, generator=gen).half()
+    check_fused_layouts(lambda *qkv: run(*qkv, "fused", mask=mask), (q, k, v), grad, layouts)
 
 
 def test_a_sequence_output_does_not_depend_on_its_batch(gen):
