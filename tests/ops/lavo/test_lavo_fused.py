@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
@@ -60,6 +60,18 @@ def test_fused_matches_the_float64_reference_with_gradients(gen, dtype, causal, 
         mask = padding_mask(2, n, side, gen)
     assert implementation_for("lavo", "fused", leaves[0], leaves[2], window=w) == "fused"
     check_against_reference(gen, leaves, dtype, causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layouts", LAYOUT_CASES)
+def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, layouts):
+    """q, k, v and dL/d(out) in fairseq's layout, contiguous or another: the contiguous run's output and gradients,
+    bit for bit, in the inputs' layouts where the kernels read them in place (``helpers.check_fused_layouts``)."""
+    q, k, v, bases, pos_bias = inputs(gen, torch.float16, 19)
+    mask = padding_mask(2, 19, "right", gen)
+    grad = torch.randn(2, 2, 19, 12, generator=gen).half()
+    check_fused_layouts(lambda *qkv: run(*qkv, bases, pos_bias, "fused", causal=causal, mask=mask), (q, k, v), grad,
+                        layouts)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

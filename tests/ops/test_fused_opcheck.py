@@ -1,0 +1,57 @@
+"""Every fused custom op (``linattn::*``, forward and backward) as each method calls it with q, k, v in fairseq's
+layout and a padding mask, checked by ``torch.library.opcheck``: its schema, and its fake (meta) implementation
+against the kernels run by Triton's interpreter: shapes, dtypes and strides. ``torch.compile`` and the meta device
+plan with the fake outputs' strides: a real output laid out otherwise (as LAVO's was: contiguous from fairseq's
+layout, its fake in fairseq's) breaks what a compiled graph assumes."""
+import pytest
+import torch
+from helpers import fairseq_layout, padding_mask
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from linattn import ops
+
+pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
+
+ALPHA = torch.tensor([1.3, 0.7]).view(1, 2, 1, 1)
+
+
+class CustomOpCalls(TorchDispatchMode):
+    """Records each ``linattn::`` op call (op, args, kwargs) made under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "linattn":
+            self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def run(method, causal, q, k, v, mask, gen):
+    """One forward and backward of ``method``'s fused implementation."""
+    if method == "lln":
+        out = ops.lln_attention(q, k, v, ALPHA, 0.9, causal=causal, key_padding_mask=mask, chunk_size=8, impl="fused")
+    elif method == "lln_diag":
+        out = ops.lln_diag_attention(q, k, v, ALPHA, 0.9, block_size=8, chunk_size=8, causal=causal,
+                                     key_padding_mask=mask, impl="fused")
+    elif method == "skyformer":
+        out = ops.skyformer_attention(q, k, v, key_padding_mask=mask, num_landmarks=6, training=False, impl="fused")
+    else:
+        bases = (torch.randn(2, 6, q.shape[-1], generator=gen) * 0.4).half()
+        out = ops.lavo_attention(q, k, v, bases, torch.zeros(2, 7), window=4, causal=causal, key_padding_mask=mask,
+                                 impl="fused")
+    out.backward(torch.randn(out.shape, generator=gen).half())
+
+
+@pytest.mark.parametrize("method, causal", [("lln", False), ("lln", True), ("lln_diag", False), ("lln_diag", True),
+                                            ("skyformer", False), ("lavo", False), ("lavo", True)])
+def test_fused_ops_fake_outputs_match_the_kernels(gen, method, causal):
+    q, k, v = (t.requires_grad_() for t in fairseq_layout(*(torch.randn(2, 2, 13, 12, generator=gen).half()
+                                                            for _ in range(3))))
+    mask = None if causal else padding_mask(2, 13, "left", gen)
+    with CustomOpCalls() as seen:
+        run(method, causal, q, k, v, mask, gen)
+    assert len(seen.calls) >= 2, [str(c[0]) for c in seen.calls]  # the forward's op and the backward's
+    for op, args, kwargs in seen.calls:
+        torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor"))
