@@ -52,18 +52,18 @@ LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),),
 
 def check_fused_layouts(run, leaves, grad, layouts) -> None:
     """``run(q, k, v)`` of a fused op with q, k, v and dL/d(out) laid out as ``layouts`` (names of ``LAYOUTS``, in that
-    order) gives the output and gradients of contiguous ``leaves`` (q, k, v) and ``grad``, bit for bit; the output
-    has q's layout and each gradient its input's, where the kernels read it in place (fairseq's or contiguous: then
-    the module's head merge and the projections' backward copy nothing), contiguous otherwise (sliced)."""
+    order) gives the output and gradients of contiguous ``leaves`` (q, k, v) and ``grad``, bit for bit; the output and
+    every gradient come in q's layout where the kernels read q in place (fairseq's or contiguous: then the module's
+    head merge and the projections' backward copy nothing), contiguous otherwise (sliced)."""
     out = run(*leaves)
     want = torch.autograd.grad(out, leaves, grad)
     moved = [LAYOUTS[name](t.detach())[0].requires_grad_() for name, t in zip(layouts, leaves)]
     got_out = run(*moved)
     got = torch.autograd.grad(got_out, moved, LAYOUTS[layouts[3]](grad)[0])
     assert torch.equal(got_out, out) and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert got_out.stride() == LAYOUTS["contiguous" if layouts[0] == "sliced" else layouts[0]](out)[0].stride()
-    for g, t, name in zip(got, moved, layouts):
-        assert (g.stride() == t.stride()) == (name != "sliced"), name
+    kind = LAYOUTS["contiguous" if layouts[0] == "sliced" else layouts[0]]
+    for answer, like in zip((got_out, *got), (out, *leaves)):
+        assert answer.stride() == kind(like.detach())[0].stride(), layouts
 
 
 # q, k, v and dL/d(out): all in fairseq's layout, and mixes that tell one tensor's strides from another's

@@ -53,10 +53,11 @@ SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instr
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr")
 FLOATS, MASKS = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
-# Bytes a thread still spills at D = 64 at LAUNCH's settings, the most of fp16 and bf16 with Triton 3.6 and 3.9 (none
-# of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit the slow tier holds them to
-RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 328, "nystrom_rows_grad": 88, "lavo_memory_grad": 112,
-                        "lavo_memory_grad causal": 64, "lavo_local_grad": 120, "lavo_local_grad causal": 200}
+# Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
+# Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit
+# the slow tier holds them to
+RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 312, "nystrom_rows_grad": 96, "lavo_memory_grad": 112,
+                        "lavo_memory_grad causal": 64, "lavo_local_grad": 32, "lavo_local_grad causal": 256}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -97,7 +98,8 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
         change["WIDE"] = TF32_SETTINGS[change.pop("TF32")]
     settings = {**launch(key, d), **change}
     params = inspect.signature(kernel.fn).parameters
-    consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d), **consts, **settings}.items() if p in params}
+    # FAIRSEQ: the kernels read and write fairseq's layout, as the module's head split gives q, k, v
+    consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d, FAIRSEQ=True), **consts, **settings}.items() if p in params}
     half_ptrs = HALF_POINTERS if key != "block_softmax_backward" else HALF_POINTERS[:-3]  # its gradients are fp32
     types = {p: "constexpr" if p in consts else ("*" + half if p in half_ptrs else "*u8" if p in MASKS else
              "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32") for p in params}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, LAYOUTS, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
@@ -130,6 +130,17 @@ def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, lay
     mask = padding_mask(2, 19, "left", gen)
     grad = torch.randn(2, 2, 19, 12, generator=gen).half()
     check_fused_layouts(lambda *qkv: run(*qkv, "fused", causal=causal, mask=mask), (q, k, v), grad, layouts)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "fairseq"])
+def test_noncausal_fused_cross_attention_matches_the_reference(gen, layout):
+    """13 queries against 19 keys and values (padded on the left), contiguous or in fairseq's layout: the keys' rows
+    are laid out by their own length, not the queries'."""
+    q = inputs(gen, torch.float16, 13)[0]
+    k, v = inputs(gen, torch.float16, 19)[1:]
+    mask = padding_mask(2, 19, "left", gen)
+    q, k, v = (LAYOUTS[layout](t.detach())[0].requires_grad_() for t in (q, k, v))
+    check_against_reference(gen, q, k, v, "float16", causal=False, mask=mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

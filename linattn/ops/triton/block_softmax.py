@@ -16,19 +16,32 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, block_rows, emulate_half_dot, half_dot, launch, new_rows, rows_of, wide_dot
+from .common import (
+    HALF,
+    TINY,
+    block,
+    block_rows,
+    emulate_half_dot,
+    fairseq_layout,
+    half_dot,
+    in_layout,
+    launch,
+    new_rows,
+    tile_at,
+    wide_dot,
+)
 
 
 @triton.jit
-def _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr,
+def _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr,
            BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
            HAS_MASK: tl.constexpr):
     """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB)."""
     d = tl.arange(0, BD)
     i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, HAS_MASK)
     inside = ok[:, None] & (d[None, :] < D)
-    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=inside, other=0.0)
-    kk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=inside, other=0.0)
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
+    kk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
     visible = key_ok[None, :] & ok[:, None]
     if CAUSAL:
         visible = visible & (i[None, :] <= i[:, None])
@@ -40,55 +53,55 @@ def _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_sca
 
 
 @triton.jit
-def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, QH, QR, KH, KR, VH, VR, AH, AR, OH, OR, H, N, D, DV, BS,
+def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, BS,
              sm_scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
-             EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr):
-    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); each tensor strided XH a head and XR a row
-    (``common.rows_of``)."""
+             EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr,
+             FAIRSEQ: tl.constexpr):
+    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); every tensor in fairseq's layout (FAIRSEQ) or
+    contiguous (``common.row_at``)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB, BD,
+    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB, BD,
                                HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
-    vv = tl.load(v_ptr + pid * VH + rows[:, None] * VR + e[None, :], mask=inside, other=0.0)
+    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
     o = half_dot(p, vv, HALF_TY, EMULATE)
     if AVERAGE:
-        o = 0.5 * (tl.load(avg_ptr + pid * AH + rows[:, None] * AR + e[None, :], mask=inside, other=0.0) + o)
-    tl.store(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], o.to(out_ptr.dtype.element_ty), mask=inside)
+        o = 0.5 * (tl.load(avg_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0) + o)
+    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), o.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, QH, QR, KH, KR,
-              VH, VR, GH, GR, H, N, D, DV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr,
-              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_MASK: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr):
+def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, BH, H, N, D, DV,
+              BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
+              EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ADD: tl.constexpr,
+              WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One block of one head: dq, dk (BS, D), dv (BS, DV) of ``scale`` x block softmax, computed in fp32, plus (ADD)
-    aq, ak, av, stored in the inputs' dtype; the gradients and their addends strided as q, k, v."""
+    aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ) or contiguous."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, QH, QR, KH, KR, blk, pid, H, N, D, BS, sm_scale, BB, BD,
+    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB, BD,
                                  HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
-    at_v = pid * VH + rows[:, None] * VR + e[None, :]
+    at_v = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
     vv = tl.load(v_ptr + at_v, mask=inside, other=0.0)
-    gg = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=inside, other=0.0)
+    gg = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
     dp = half_dot(gg, tl.trans(vv), HALF_TY, EMULATE)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * (sm_scale * scale)
     inside_d = ok[:, None] & (d[None, :] < D)
-    at_q = pid * QH + rows[:, None] * QR + d[None, :]
-    at_k = pid * KH + rows[:, None] * KR + d[None, :]
+    at = tile_at(pid, rows, d, N, D, BH, FAIRSEQ)  # q, k, their gradients and addends: one layout
     dq = wide_dot(ds, kk, WIDE)
     dk = wide_dot(tl.trans(ds), qq, WIDE)
     dv = half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale
     if ADD:
-        dq += tl.load(aq_ptr + at_q, mask=inside_d, other=0.0).to(tl.float32)
-        dk += tl.load(ak_ptr + at_k, mask=inside_d, other=0.0).to(tl.float32)
+        dq += tl.load(aq_ptr + at, mask=inside_d, other=0.0).to(tl.float32)
+        dk += tl.load(ak_ptr + at, mask=inside_d, other=0.0).to(tl.float32)
         dv += tl.load(av_ptr + at_v, mask=inside, other=0.0).to(tl.float32)
-    tl.store(dq_ptr + at_q, dq.to(dq_ptr.dtype.element_ty), mask=inside_d)
-    tl.store(dk_ptr + at_k, dk.to(dk_ptr.dtype.element_ty), mask=inside_d)
+    tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=inside_d)
+    tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=inside_d)
     tl.store(dv_ptr + at_v, dv.to(dv_ptr.dtype.element_ty), mask=inside)
 
 
@@ -101,13 +114,14 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block
     b, h, n, d = q.shape
     dv = v.shape[-1]
     out = new_rows(q, dv, q.dtype)
-    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
+    fairseq = fairseq_layout(q)  # the kernel reads q's layout (fairseq's or contiguous), and k, v and avg in it
+    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    avg, ah, ar = rows_of(out if average_with is None else average_with)
+    avg = out if average_with is None else in_layout(average_with, fairseq)
     _forward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, mask_u8, avg, out, qh, qr, kh, kr, vh, vr, ah, ar, *rows_of(out)[1:], h, n, d, dv, block_size,
-        1 / math.sqrt(d), BB=block(block_size), BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype],
-        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None,
+        q, k, v, mask_u8, avg, out, b * h, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size),
+        BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
+        HAS_MASK=mask is not None, FAIRSEQ=fairseq,
         AVERAGE=average_with is not None, **launch("block_softmax", d))
     return out
 
@@ -127,15 +141,15 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     b, h, n, d = q.shape
     dv_dim = v.shape[-1]
     dq, dk, dv = _empty_grads(q, k, v)
-    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
-    grad, gh, gr = rows_of(grad.to(q.dtype))
+    fairseq = fairseq_layout(q)  # the kernel reads q's layout (fairseq's or contiguous), and the others in it
+    q, k, v, grad = (in_layout(t, fairseq) for t in (q, k, v, grad.to(q.dtype)))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
     _backward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, grad, mask_u8, *addends, dq, dk, dv, qh, qr, kh, kr, vh, vr, gh, gr, h, n, d, dv_dim, block_size,
-        1 / math.sqrt(d), float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
-        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add,
+        q, k, v, grad, mask_u8, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, block_size, 1 / math.sqrt(d),
+        float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
+        EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add, FAIRSEQ=fairseq,
         **launch("block_softmax_backward", d))
     return dq, dk, dv
 
@@ -146,8 +160,8 @@ def _(q, k, v, grad, mask, block_size, causal, scale, add_q, add_k, add_v):
 
 
 def _empty_grads(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv in q's dtype, in the layouts of q, k, v."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype) for t in (q, k, v))
+    """dq, dk, dv in q's dtype, with the rows of q, k, v in q's layout (the kernel's)."""
+    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
 
 
 def _strided_as(addend: Tensor, out: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its 
 """
 import json
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -76,24 +76,47 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     return settings
 
 
-def rows_of(x: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
-    """x (B,H,N,X) as a kernel reads it, with its head and row strides (element c of row n of head ``pid``, in B*H
-    order, at ``pid * head + n * row + c``): x itself where it is contiguous or in fairseq's layout (the projections'
-    (N,B,H,X) viewed (B,H,N,X), as ``new_rows`` makes it): no copy; else a contiguous copy."""
-    b, h, n, c = x.shape
-    if _strided(x, (h * c, c, b * h * c, 1)):
-        return x, c, b * h * c
-    x = x.contiguous()
-    return x, n * c, c
+def fairseq_layout(x: torch.Tensor) -> bool:
+    """Whether x (B,H,N,X) is in fairseq's layout: (N,B,H,X) memory viewed (B,H,N,X), as the module's head split
+    gives q, k and v (heads X apart, rows B*H*X apart)."""
+    b, h, _, c = x.shape
+    return _strided(x, (h * c, c, b * h * c, 1))
 
 
-def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty (B,H,N,width) tensor with the rows of ``like`` (B,H,N,X) in its layout (``rows_of``): fairseq's
-    (N,B,H,width) viewed (B,H,N,width), or contiguous."""
-    b, h, n, c = like.shape
-    if _strided(like, (h * c, c, b * h * c, 1)):
+def in_layout(x: torch.Tensor, fairseq: bool) -> torch.Tensor:
+    """x (B,H,N,X) in fairseq's layout (``fairseq``) or contiguous, as the kernels read it (``row_at``): itself where
+    it is so, else a copy."""
+    if fairseq:
+        return x if fairseq_layout(x) else x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return x.contiguous()
+
+
+def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
+             layout_of: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An empty (B,H,N,width) tensor with the rows of ``like`` (B,H,N,X), in fairseq's layout if ``layout_of``
+    (default: like) is, else contiguous: an op's outputs all take q's, the layout its kernels read (``in_layout``)."""
+    b, h, n, _ = like.shape
+    if fairseq_layout(like if layout_of is None else layout_of):
         return like.new_empty((n, b, h, width), dtype=dtype).permute(1, 2, 0, 3)
     return like.new_empty((b, h, n, width), dtype=dtype)
+
+
+@triton.jit
+def row_at(pid, rows, R, X, BH, FAIRSEQ: tl.constexpr):
+    """Offsets (rows,) of rows ``rows`` of head ``pid`` (B*H order) in a (B,H,R,X) tensor (``in_layout``):
+    fairseq's (heads X apart, rows BH*X apart) or contiguous (heads R*X apart, rows X). Tensors of one size share
+    the offsets."""
+    if FAIRSEQ:
+        return pid * X + rows * (BH * X)
+    return pid * (R * X) + rows * X
+
+
+@triton.jit
+def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
+    """Offsets (rows, cols) of a tile of head ``pid``'s rows ``rows`` and columns ``cols`` (``row_at``)."""
+    if FAIRSEQ:
+        return pid * X + rows[:, None] * (BH * X) + cols[None, :]
+    return pid * R * X + rows[:, None] * X + cols[None, :]
 
 
 def _strided(x: torch.Tensor, strides: Tuple[int, ...]) -> bool:

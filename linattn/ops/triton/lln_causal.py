@@ -30,20 +30,22 @@ from .common import (
     block,
     block_rows,
     emulate_half_dot,
+    fairseq_layout,
     half_dot,
+    in_layout,
     launch,
     load_state,
     new_rows,
-    rows_of,
+    tile_at,
     wide_dot,
 )
 from .lln_key_max import key_block_max
 
 
 @triton.jit
-def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, KH, KR, VH, VR, H, N, D, DV, NC, C,
+def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D, DV, NC, C,
             BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-            HAS_MASK: tl.constexpr):
+            HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores the state before each chunk into
     s (NC, D, DV+1) (its z column: the programs of l = 0)."""
     pid = tl.program_id(0)
@@ -62,10 +64,10 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, KH, KR, VH,
         _, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        bk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=ok[:, None] & dok[None, :],
+        bk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                      other=0.0).to(tl.float32) * beta
         fki = tl.exp(tl.where(key_ok[:, None] & dok[None, :], bk - mi[None, :], float("-inf")))  # phi_k to m_incl
-        vv = tl.load(v_ptr + pid * VH + rows[:, None] * VR + e[None, :], mask=ok[:, None] & eok[None, :], other=0.0)
+        vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
         decay = tl.exp(tl.minimum(mp - mi, 0.0))  # <= 1; S is 0 where m_prev had no key yet
         s = s * decay[:, None] + half_dot(tl.trans(fki), vv, HALF_TY, EMULATE)
         z = z * decay + tl.sum(fki, 0)
@@ -73,11 +75,11 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, KH, KR, VH,
 
 @triton.jit
 def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
-             den_ptr, QH, QR, KH, KR, VH, VR, OH, OR, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
+             den_ptr, BH, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
-             WIDE: tl.constexpr):
+             WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
-    shifts g, rho, lse (C,). q, k, v and out: strided XH a head and XR a row (``common.rows_of``)."""
+    shifts g, rho, lse (C,). q, k, v and out in fairseq's layout (FAIRSEQ) or contiguous (``common.row_at``)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -90,11 +92,11 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     s, z = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
     live = key_ok[:, None] & dok[None, :]
-    bk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=ok[:, None] & dok[None, :],
+    bk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                  other=0.0).to(tl.float32) * beta
     g = tl.maximum(tl.max(tl.where(live, bk - mp[None, :], float("-inf")), 1), 0.0)  # a key's excess, 0 if padded
     rho = tl.max(tl.where(i[None, :] <= i[:, None], g[None, :], 0.0), 1)  # the largest excess a query sees
-    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=ok[:, None] & dok[None, :],
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                  other=0.0).to(tl.float32)
     a = mp[None, :] + qq * alpha
     lse = tl.max(tl.where(dok[None, :], a, float("-inf")), 1)  # the query's own shift
@@ -106,11 +108,11 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     fq = tl.where(ok[:, None] & dok[None, :], tl.exp(a - lse[:, None]), 0.0)
     w = half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
     w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
-    vv = tl.load(v_ptr + pid * VH + rows[:, None] * VR + e[None, :], mask=ok[:, None] & eok[None, :], other=0.0)
+    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
     r = tl.exp(-rho)
     o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * wide_dot(fq, s, WIDE)
     den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
-    tl.store(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], (o / den[:, None]).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), (o / den[:, None]).to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & eok[None, :])
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
@@ -125,19 +127,20 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     b, h, n, d = q.shape
     nc = g.shape[2]
     dv = v.shape[-1]
-    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
+    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
+    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     top = key_block_max(k, beta, mask_u8, mask is not None, chunk).cummax(-1).values  # M_c, -inf before any key
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)
     m_prev[..., 0] = 0.0
     m_prev[..., 1:] = m_incl[..., :-1]
-    sizes = dict(BC=block(chunk), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None)
+    sizes = dict(BC=block(chunk), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
+                 FAIRSEQ=fairseq)
     walk = launch("lln_causal_states", d, dv)
     _states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv, walk["BV"]))](
-        k, v, beta, mask_u8, m_prev, m_incl, s, kh, kr, vh, vr, h, n, d, dv, nc, chunk, **sizes, **walk)
-    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, qh, qr, kh, kr, vh, vr,
-                          *rows_of(out)[1:], h, n, d, dv, nc, chunk, BD=block(d), BDV=block(dv), **sizes,
-                          **launch("lln_causal_outputs", d))
+        k, v, beta, mask_u8, m_prev, m_incl, s, b * h, h, n, d, dv, nc, chunk, **sizes, **walk)
+    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, b * h, h, n, d, dv, nc,
+                          chunk, BD=block(d), BDV=block(dv), **sizes, **launch("lln_causal_outputs", d))
     return out, s, den, m_prev, m_incl, g, rho, lse
 
 
@@ -151,7 +154,7 @@ def _empty(q: Tensor, v: Tensor, chunk: int, averaged: bool):
     dv = v.shape[-1]
     nc = -(-n // chunk)
     f32 = dict(dtype=torch.float32)
-    out = q.new_empty((b, h, n, dv), **f32) if averaged else new_rows(q, dv, q.dtype)  # averaged: read by LLN+Diag
+    out = new_rows(q, dv, torch.float32 if averaged else q.dtype)  # averaged: fp32, read by LLN+Diag's block kernel
     return (out, q.new_empty((b, h, nc, d, dv + 1), **f32), q.new_empty((b, h, n, 1), **f32),
             q.new_empty((b, h, d, nc), **f32), q.new_empty((b, h, d, nc), **f32),
             *(q.new_empty((b, h, nc, chunk), **f32) for _ in range(3)))

@@ -21,25 +21,38 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, block_rows, emulate_half_dot, half_dot, launch, load_state, new_rows, rows_of, wide_dot
+from .common import (
+    HALF,
+    block,
+    block_rows,
+    emulate_half_dot,
+    fairseq_layout,
+    half_dot,
+    in_layout,
+    launch,
+    load_state,
+    new_rows,
+    tile_at,
+    wide_dot,
+)
 
 
 @triton.jit
-def _output_grad(grad_ptr, out_ptr, den_ptr, GH, GR, OH, OR, scale, pid, rows, ok, N, DV, BDV: tl.constexpr):
+def _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ: tl.constexpr, scale, pid, rows, ok, N, DV, BDV: tl.constexpr):
     """go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``) of a chunk's rows as grad (C, DV) (exact
     in the half dtype), the row scale r = scale / den (C,) (go's value columns: grad r) and the ones column (C,)."""
     e = tl.arange(0, BDV)
     re = ok[:, None] & (e[None, :] < DV)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
-    gr = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=re, other=0.0).to(tl.float32)
-    ou = tl.load(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], mask=re, other=0.0).to(tl.float32)
+    gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+    ou = tl.load(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
     return gr, scale / den, -tl.sum(gr * ou, 1) * (scale / den)
 
 
 @triton.jit
-def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, QH, QR, GH,
-                 GR, OH, OR, scale, N, D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-                 BDV: tl.constexpr, WIDE: tl.constexpr):
+def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, BH, scale, N,
+                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+                 BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores G_c of every chunk into gs
     (NC, D, DV+1) (its ones column: the programs of l = 0), from the last chunk."""
     pid = tl.program_id(0)
@@ -62,12 +75,12 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
         lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
         rd = ok[:, None] & dok[None, :]
-        qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=rd, other=0.0).to(tl.float32)
+        qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=rd, other=0.0).to(tl.float32)
         fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
-        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, GH, GR, OH, OR, scale, pid, rows, ok, N, DV,
+        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV,
                                    BDV)  # goz: every column
         if BV < BDV:  # this program's value columns of grad
-            gr = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=ok[:, None] & eok[None, :],
+            gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :],
                          other=0.0).to(tl.float32)
         go = gr * rs[:, None]
         # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
@@ -78,12 +91,12 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
 
 @triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
-           rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, dv_ptr, QH, QR, KH, KR, VH, VR, GH, GR, OH, OR, scale, H, N,
+           rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, dv_ptr, BH, scale, H, N,
            D, DV, NC, C, BC: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-           HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
+           HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype (dq, dk,
-    dv strided as q, k, v)."""
+    dv in q's layout: fairseq's (FAIRSEQ) or contiguous)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -98,18 +111,17 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
     rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
     lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    at_q = pid * QH + rows[:, None] * QR + d[None, :]
-    at_k = pid * KH + rows[:, None] * KR + d[None, :]
-    at_v = pid * VH + rows[:, None] * VR + e[None, :]
+    at = tile_at(pid, rows, d, N, D, BH, FAIRSEQ)  # q, k, dq, dk: one layout
+    at_v = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
     rd = ok[:, None] & dok[None, :]
     re = ok[:, None] & eok[None, :]
-    qq = tl.load(q_ptr + at_q, mask=rd, other=0.0).to(tl.float32)
+    qq = tl.load(q_ptr + at, mask=rd, other=0.0).to(tl.float32)
     fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
-    bk = tl.load(k_ptr + at_k, mask=rd, other=0.0).to(tl.float32) * beta
+    bk = tl.load(k_ptr + at, mask=rd, other=0.0).to(tl.float32) * beta
     live = key_ok[:, None] & dok[None, :]
     fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
     vf = tl.load(v_ptr + at_v, mask=re, other=0.0).to(tl.float32)
-    gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, GH, GR, OH, OR, scale, pid, rows, ok, N, DV, BDV)
+    gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV, BDV)
     go = gr * rs[:, None]
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
@@ -121,7 +133,7 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     sv, sz = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     dfq = tl.exp(-rho)[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
     dfq += wide_dot(dqk, fk, WIDE)
-    tl.store(dq_ptr + at_q, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
+    tl.store(dq_ptr + at, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
     dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk
     w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
     # dv and dk: the keys' part through the later chunks' queries, G_c
@@ -130,7 +142,7 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
     tl.store(dv_ptr + at_v, dv.to(dv_ptr.dtype.element_ty), mask=re)
     dbk += (wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki
-    tl.store(dk_ptr + at_k, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
+    tl.store(dk_ptr + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
 
 
 @torch.library.custom_op("linattn::lln_causal_backward", mutates_args=())
@@ -146,17 +158,18 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     dv_dim = v.shape[-1]
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
-    (q, qh, qr), (k, kh, kr), (v, vh, vr), (grad, gh, gr), (out, oh, o_r) = (rows_of(t) for t in (q, k, v, grad, out))
+    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
+    q, k, v, grad, out = (in_layout(t, fairseq) for t in (q, k, v, grad, out))
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
     walk = launch("lln_causal_grad_states", d, dv_dim)
     _grad_states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv_dim, walk["BV"]))](
-        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, qh, qr, gh, gr, oh, o_r, scale, n, d, dv_dim, nc, c,
-        BC=block(c), BDV=block(dv_dim), **walk)
+        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, b * h, scale, n, d, dv_dim, nc, c, BC=block(c),
+        BDV=block(dv_dim), FAIRSEQ=fairseq, **walk)
     _grads[(nc, b * h)](
         q, k, v, grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g.contiguous(), rho, lse, s.contiguous(), gs,
-        dq, dk, dv, qh, qr, kh, kr, vh, vr, gh, gr, oh, o_r, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d),
-        BDV=block(dv_dim), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
+        dq, dk, dv, b * h, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d), BDV=block(dv_dim),
+        HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, FAIRSEQ=fairseq,
         **launch("lln_causal_grads", d))
     return dq, dk, dv
 
@@ -167,5 +180,5 @@ def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s
 
 
 def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in their layouts."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype) for t in (q, k, v))
+    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels')."""
+    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))

@@ -9,14 +9,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import block, launch, rows_of
+from .common import block, fairseq_layout, in_layout, launch, tile_at
 
 
 @triton.jit
-def _block_max(k_ptr, beta_ptr, mask_ptr, out_ptr, KH, KR, H, N, D, NB, ROWS, BR: tl.constexpr, BD: tl.constexpr,
-               HAS_MASK: tl.constexpr):
-    """One block of ROWS keys of one head (k strided KH a head, KR a row): out[d, block] = max over its unpadded keys
-    of beta k_d, -inf if none."""
+def _block_max(k_ptr, beta_ptr, mask_ptr, out_ptr, BH, H, N, D, NB, ROWS, BR: tl.constexpr, BD: tl.constexpr,
+               HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """One block of ROWS keys of one head (k in fairseq's layout or contiguous: ``common.row_at``): out[d, block] = max
+    over its unpadded keys of beta k_d, -inf if none."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -28,19 +28,21 @@ def _block_max(k_ptr, beta_ptr, mask_ptr, out_ptr, KH, KR, H, N, D, NB, ROWS, BR
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + (pid // H) * N + rows, mask=ok, other=1) == 0)
         live = ok[:, None] & (d[None, :] < D)
-        bk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=live, other=0.0).to(tl.float32) * beta
+        at = tile_at(pid, rows, d, N, D, BH, FAIRSEQ)
+        bk = tl.load(k_ptr + at, mask=live, other=0.0).to(tl.float32) * beta
         top = tl.maximum(top, tl.max(tl.where(live, bk, float("-inf")), 0))
     tl.store(out_ptr + (pid * D + d) * NB + c, top, mask=d < D)
 
 
 def key_block_max(k: Tensor, beta: Tensor, mask_u8: Tensor, has_mask: bool, rows: int) -> Tensor:
-    """k (B,H,N,D) half (in a layout of ``common.rows_of``: no copy); beta (B,H) fp32; mask_u8 (B,N) uint8 (any
+    """k (B,H,N,D) half (in fairseq's layout or contiguous: read in place); beta (B,H) fp32; mask_u8 (B,N) uint8 (any
     tensor when not ``has_mask``) -> (B,H,D,nb) fp32: the maximum of beta k over each block of ``rows`` keys, -inf
     where a block has no key."""
     b, h, n, d = k.shape
     nb = triton.cdiv(n, rows)
-    k, head, row = rows_of(k)
+    fairseq = fairseq_layout(k)
+    k = in_layout(k, fairseq)
     out = torch.empty((b, h, d, nb), dtype=torch.float32, device=k.device)
-    _block_max[(nb, b * h)](k, beta, mask_u8, out, head, row, h, n, d, nb, rows, BR=min(block(rows), 64),
-                            BD=block(d), HAS_MASK=has_mask, **launch("lln_key_max", d))
+    _block_max[(nb, b * h)](k, beta, mask_u8, out, b * h, h, n, d, nb, rows, BR=min(block(rows), 64),
+                            BD=block(d), HAS_MASK=has_mask, FAIRSEQ=fairseq, **launch("lln_key_max", d))
     return out

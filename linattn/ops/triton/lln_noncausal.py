@@ -15,7 +15,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, TINY, block, emulate_half_dot, half_dot, launch, load_state, new_rows, rows_of, wide_dot
+from .common import (
+    HALF,
+    TINY,
+    block,
+    emulate_half_dot,
+    fairseq_layout,
+    half_dot,
+    in_layout,
+    launch,
+    load_state,
+    new_rows,
+    tile_at,
+    wide_dot,
+)
 from .lln_key_max import key_block_max
 
 # Both read at call time, here and by the backward (lln_noncausal_backward.py); SPLIT_ROWS a multiple of ROWS.
@@ -24,8 +37,9 @@ SPLIT_ROWS = 1024  # keys per program of ``_state``, queries per program of the 
 
 
 @triton.jit
-def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, KH, KR, VH, VR, H, S, SPLIT, D, DV, BLOCK: tl.constexpr,
-           BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr):
+def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D, DV, BLOCK: tl.constexpr,
+           BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
+           FAIRSEQ: tl.constexpr):
     """One split of one head: part (D, DV+1) = [S, z] over its SPLIT keys (LLN eq. 9), padded keys excluded."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
@@ -42,10 +56,10 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, KH, KR, VH, VR, H,
         ok = rows < end
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
-        kk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+        kk = tl.load(k_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                      other=0.0).to(tl.float32)
         fk = tl.exp(tl.where(ok[:, None] & (d[None, :] < D), kk * beta - m[None, :], float("-inf")))  # padded: 0
-        vv = tl.load(v_ptr + pid * VH + rows[:, None] * VR + e[None, :], mask=ok[:, None] & (e[None, :] < DV),
+        vv = tl.load(v_ptr + tile_at(pid, rows, e, S, DV, BH, FAIRSEQ), mask=ok[:, None] & (e[None, :] < DV),
                      other=0.0)
         s += half_dot(tl.trans(fk), vv, HALF_TY, EMULATE)
         z += tl.sum(fk, 0)
@@ -55,9 +69,9 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, KH, KR, VH, VR, H,
 
 
 @triton.jit
-def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, QH, QR, OH, OR, N, D, DV, BLOCK: tl.constexpr,
+def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, BLOCK: tl.constexpr,
              BD: tl.constexpr,
-             BDV: tl.constexpr, WIDE: tl.constexpr):
+             BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -66,14 +80,14 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, QH, QR, OH, OR, N
     alpha = tl.load(alpha_ptr + pid)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     ok = rows < N
-    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))  # the query absorbs the keys' shift
     fq = tl.exp(a - tl.max(a, 1)[:, None])
     s, z = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
     o = wide_dot(fq, s, WIDE) / den[:, None]
-    tl.store(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], o.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), o.to(out_ptr.dtype.element_ty),
              mask=ok[:, None] & (e[None, :] < DV))
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
@@ -87,7 +101,8 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     out, s, den, m = _empty(q, v, averaged)
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
+    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
+    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     length = k.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
@@ -95,11 +110,12 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m.view(b, h, d))
     splits = max(1, triton.cdiv(length, SPLIT_ROWS))
     part = s.new_empty((b, h, splits, d, dv + 1))  # each split's [S, z], summed below: deterministic, no atomics
-    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, kh, kr, vh, vr, h, length, SPLIT_ROWS, d, dv, BLOCK=ROWS,
+    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, BLOCK=ROWS,
+                            FAIRSEQ=fairseq,
                             BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, qh, qr, *rows_of(out)[1:], n, d, dv, BLOCK=ROWS,
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, b * h, n, d, dv, BLOCK=ROWS, FAIRSEQ=fairseq,
                                            BD=block(d), BDV=block(dv), **launch("lln_noncausal_readout", d))
     return out, s, den, m
 
@@ -112,6 +128,6 @@ def _(q, k, v, alpha, beta, mask, averaged):
 def _empty(q: Tensor, v: Tensor, averaged: bool):
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    out = q.new_empty((b, h, n, dv), dtype=torch.float32) if averaged else new_rows(q, dv, q.dtype)  # LLN+Diag's
+    out = new_rows(q, dv, torch.float32 if averaged else q.dtype)  # averaged: fp32, read by LLN+Diag's block kernel
     return (out, q.new_empty((b, h, d, dv + 1), dtype=torch.float32), q.new_empty((b, h, n, 1), dtype=torch.float32),
             q.new_empty((b, h, 1, d), dtype=torch.float32))

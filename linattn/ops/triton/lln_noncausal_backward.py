@@ -17,32 +17,32 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, launch, load_state, new_rows, rows_of, wide_dot
+from .common import block, fairseq_layout, in_layout, launch, load_state, new_rows, tile_at, wide_dot
 
 
 @triton.jit
-def _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid, rows, N, D, DV,
+def _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ: tl.constexpr, alpha, m, den_ptr, scale, pid, rows, N, D, DV,
                  BD: tl.constexpr, BDV: tl.constexpr):
     """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows,
     out as the forward stored it."""
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     ok = rows < N
-    qq = tl.load(q_ptr + pid * QH + rows[:, None] * QR + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))
     fq = tl.where(ok[:, None], tl.exp(a - tl.max(a, 1)[:, None]), 0.0)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # clamped to >= TINY by the forward
     re = ok[:, None] & (e[None, :] < DV)
-    out = tl.load(out_ptr + pid * OH + rows[:, None] * OR + e[None, :], mask=re, other=0.0).to(tl.float32)
-    gr = tl.load(grad_ptr + pid * GH + rows[:, None] * GR + e[None, :], mask=re, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+    gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
     return fq, gr * (scale / den)[:, None], -tl.sum(gr * out, 1) * (scale / den)
 
 
 @triton.jit
-def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, QH, QR, GH, GR, OH, OR, scale, N,
+def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, BH, scale, N,
                 SPLIT, D, DV,
-                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr):
+                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
@@ -54,7 +54,7 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, Q
     first = tl.program_id(1) * SPLIT
     end = tl.minimum(first + SPLIT, N)
     for start in range(first, end, BLOCK):
-        fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid,
+        fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ, alpha, m, den_ptr, scale, pid,
                                    start + tl.arange(0, BLOCK), N, D, DV, BD, BDV)  # SPLIT: a multiple of BLOCK
         dsv += wide_dot(tl.trans(fq), go, WIDE)
         dsz += tl.sum(fq * goz[:, None], 0)
@@ -65,10 +65,11 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, Q
 
 @triton.jit
 def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr,
-               dq_ptr, dk_ptr, dv_ptr, QH, QR, KH, KR, VH, VR, GH, GR, OH, OR, scale, H, N, S, D, DV,
-               BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr):
+               dq_ptr, dk_ptr, dv_ptr, BH, scale, H, N, S, D, DV,
+               BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+               FAIRSEQ: tl.constexpr):
     """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
-    the inputs' dtype; dq, dk, dv strided as q, k, v)."""
+    the inputs' dtype; every tensor of rows in fairseq's layout (FAIRSEQ) or contiguous)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
@@ -76,24 +77,24 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_pt
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     sv, sz = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
-    fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, QH, QR, GH, GR, OH, OR, alpha, m, den_ptr, scale, pid, rows,
+    fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ, alpha, m, den_ptr, scale, pid, rows,
                                N, D, DV, BD, BDV)
     dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
-    tl.store(dq_ptr + pid * QH + rows[:, None] * QR + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (d[None, :] < D))
     ok = rows < S
     if HAS_MASK:
         ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
     live = ok[:, None] & (d[None, :] < D)
     beta = tl.load(beta_ptr + pid)
-    kk = tl.load(k_ptr + pid * KH + rows[:, None] * KR + d[None, :], mask=live, other=0.0).to(tl.float32)
+    kk = tl.load(k_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), mask=live, other=0.0).to(tl.float32)
     fk = tl.exp(tl.where(live, kk * beta - m[None, :], float("-inf")))  # padded keys: exp(-inf) = 0
     dsv, dsz = load_state(ds_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
-    at = pid * VH + rows[:, None] * VR + e[None, :]
+    at = tile_at(pid, rows, e, S, DV, BH, FAIRSEQ)
     vv = tl.load(v_ptr + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     dk = (wide_dot(vv, tl.trans(dsv), WIDE) + dsz[None, :]) * fk * beta
     inside = (rows[:, None] < S) & (d[None, :] < D)
-    tl.store(dk_ptr + pid * KH + rows[:, None] * KR + d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=inside)
+    tl.store(dk_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=inside)
     tl.store(dv_ptr + at, wide_dot(fk, dsv, WIDE).to(dv_ptr.dtype.element_ty),
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
@@ -107,20 +108,21 @@ def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: T
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    (q, qh, qr), (k, kh, kr), (v, vh, vr), (grad, gh, gr), (out, oh, o_r) = (rows_of(t) for t in (q, k, v, grad, out))
+    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
+    q, k, v, grad, out = (in_layout(t, fairseq) for t in (q, k, v, grad, out))
     m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
     splits = max(1, triton.cdiv(n, split_rows))
     part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
-    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, qh, qr, gh, gr, oh, o_r, scale, n, split_rows, d,
-                                 dv_dim, BLOCK=rows,
+    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, b * h, scale, n, split_rows, d, dv_dim,
+                                 BLOCK=rows, FAIRSEQ=fairseq,
                                  BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
     ds = part.sum(2)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
-        q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, qh, qr, kh, kr, vh, vr, gh, gr, oh, o_r,
-        scale, h, n, length, d, dv_dim, BLOCK=rows,
+        q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, b * h, scale, h, n, length, d, dv_dim,
+        BLOCK=rows, FAIRSEQ=fairseq,
         BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
     return dq, dk, dv
 
@@ -131,5 +133,5 @@ def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
 
 
 def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in their layouts."""
-    return tuple(new_rows(t, t.shape[-1], t.dtype) for t in (q, k, v))
+    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels')."""
+    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))

@@ -15,19 +15,19 @@ import triton.language as tl
 from torch import Tensor
 
 from . import nystrom as forward
-from .common import HALF, block, emulate_half_dot, launch, new_rows, rows_of, wide_dot
+from .common import HALF, block, emulate_half_dot, fairseq_layout, in_layout, launch, new_rows, tile_at, wide_dot
 from .nystrom import kernel_block, landmarks
 
 
 @triton.jit
-def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, dv_ptr, part_ptr, XH, XR, AH, AR, s, H,
+def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, dv_ptr, part_ptr, BH, s, H,
                N, SPLIT,
                FIRST, TOTAL, D, DV, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr,
                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr,
-               WIDE: tl.constexpr):
+               WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One split of the rows of Q, or of K (KEYS), of one head: dX (0 on padded rows) and for the keys dV, stored in
-    the inputs' dtype; part (L, D) = the split's share of dL/dL, at split FIRST + its index of TOTAL. X and dX strided
-    XH a head and XR a row, A (and dV) AH and AR."""
+    the inputs' dtype; part (L, D) = the split's share of dL/dL, at split FIRST + its index of TOTAL. X, A, dX and dV in
+    fairseq's layout (FAIRSEQ) or contiguous."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -40,17 +40,17 @@ def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, d
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        x, c, real = kernel_block(x_ptr, mask_ptr, XH, XR, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD,
+        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD,
                                   HALF_TY, EMULATE, HAS_MASK, KEYS)
         live = real if KEYS else rows < N
-        at = pid * AH + rows[:, None] * AR + e[None, :]
+        at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
         a = tl.load(a_ptr + at, mask=live[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
         # dE = dC ∘ C for C = exp(E), dC = A W^T; dX_s = dE L - rowsum(dE) X_s, dL = dE^T X_s - colsum(dE) L
         de = wide_dot(a, tl.trans(w), WIDE) * c
         xs = x.to(tl.float32) * s
         dxs = wide_dot(de, land, WIDE) - tl.sum(de, 1)[:, None] * xs
         inside = (rows[:, None] < N) & (d[None, :] < D)
-        tl.store(dx_ptr + pid * XH + rows[:, None] * XR + d[None, :],
+        tl.store(dx_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ),
                  tl.where(real[:, None], dxs * s, 0.0).to(dx_ptr.dtype.element_ty), mask=inside)
         if KEYS:
             tl.store(dv_ptr + at, wide_dot(c, w, WIDE).to(dv_ptr.dtype.element_ty),
@@ -70,8 +70,9 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     dv_dim, num = v.shape[-1], land.shape[2]
-    (q, qh, qr), (k, kh, kr), (v, vh, vr) = rows_of(q), rows_of(k), rows_of(v)
-    (grad, gh, gr), land, used = rows_of(grad.to(q.dtype)), land.contiguous(), used.contiguous()
+    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
+    q, k, v, grad = (in_layout(t, fairseq) for t in (q, k, v, grad.to(q.dtype)))
+    land, used = land.contiguous(), used.contiguous()
     du = forward.kernel_state(q, grad, land, used, mask, keys=False)
     dt = (m_inv @ du).contiguous()
     split_rows = forward.SPLIT_ROWS
@@ -80,13 +81,12 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     splits = max(1, triton.cdiv(n, split_rows))
     part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    passes = [(q, grad, u, dq, (qh, qr, gh, gr)), (k, v, dt, dk, (kh, kr, vh, vr))]  # X, A, W, dX, their strides
-    for first, (x, a, w, dx, strides) in enumerate(passes):
-        _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, *strides, d ** -0.25, h, n,
+    for first, (x, a, w, dx) in enumerate([(q, grad, u, dq), (k, v, dt, dk)]):
+        _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, b * h, d ** -0.25, h, n,
                                     split_rows, first * splits, 2 * splits, d, dv_dim, num, BD=block(d),
                                     BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
                                     EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, KEYS=first == 1,
-                                    **settings)
+                                    FAIRSEQ=fairseq, **settings)
     return dq, dk, dv, part.sum(2), t @ du.mT
 
 
@@ -96,5 +96,5 @@ def _(q, k, v, grad, land, m_inv, used, mask, t, u):
 
 
 def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in their layouts (``common.new_rows``)."""
-    return tuple(new_rows(t, t.shape[-1], t.dtype) for t in (q, k, v))
+    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels', ``common.new_rows``)."""
+    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
