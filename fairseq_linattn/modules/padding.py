@@ -18,19 +18,37 @@ def _real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tuple[Tens
     return order, mask.bool()
 
 
-def _token_rows(order: Tensor) -> Tensor:
-    """(N·B,) rows of a (N, B, ...) tensor flattened to (N·B, ...): new (t, b) <- old (order[b, t], b)."""
+def _token_rows(order: Tensor) -> Tuple[Tensor, Tensor]:
+    """(N·B,) rows of a (N, B, ...) tensor flattened to (N·B, ...): new (t, b) <- old (order[b, t], b); and the
+    inverse permutation, old <- new."""
     b = order.shape[0]
-    return (order.t() * b + torch.arange(b, device=order.device)).reshape(-1)
+    rows = (order.t() * b + torch.arange(b, device=order.device)).reshape(-1)
+    return rows, torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
 
 
-def _tokens(x: Tensor, rows: Tensor, dim: int = 2, back: bool = False) -> Tensor:
-    """x (batch on dim 0, tokens on ``dim``) with its tokens taken in the order of ``rows`` (``_token_rows``), or put
-    back where they came from (``back``). ``index_select`` / ``index_copy`` keep only the index for backward
-    (``gather`` would keep all of x)."""
+class _GatherRows(torch.autograd.Function):
+    """x[take] for a permutation ``take`` of x's rows (``give``: its inverse). The gradient is a gather too,
+    dy[give]: ``index_select``'s own backward zeroes a buffer and scatter-adds into it (atomics on a GPU). Only the
+    index is kept for backward (``gather`` would keep all of x)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, take: Tensor, give: Tensor) -> Tensor:
+        ctx.save_for_backward(give)
+        return x.index_select(0, take)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (give,) = ctx.saved_tensors
+        return grad.index_select(0, give), None, None
+
+
+def _tokens(x: Tensor, rows: Tuple[Tensor, Tensor], dim: int = 2, back: bool = False) -> Tensor:
+    """x (batch on dim 0, tokens on ``dim``) with its tokens taken in the order of ``rows`` (``_token_rows``: the
+    permutation and its inverse), or put back where they came from (``back``)."""
+    forward, inverse = rows
+    take, give = (inverse, forward) if back else (forward, inverse)
     y = x.movedim((dim, 0), (0, 1))  # (N, B, ...): fairseq's own layout for q, k, v, a view of it
-    flat = y.reshape(rows.numel(), -1)
-    out = flat.new_empty(flat.shape).index_copy_(0, rows, flat) if back else flat.index_select(0, rows)
+    out = _GatherRows.apply(y.reshape(forward.numel(), -1), take, give)
     return out.view(y.shape).movedim((0, 1), (dim, 0))
 
 

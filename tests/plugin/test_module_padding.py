@@ -95,3 +95,27 @@ def test_decoding_a_padded_sequence_counts_real_tokens_too(method, left, right, 
                         incremental_state=state)
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs)[left:left + N], alone, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left, right", [(5, 0), (3, 2)])
+@pytest.mark.parametrize("method", ["lavo", "lln_diag"])
+def test_padded_sequence_gets_its_unpadded_gradients(method, left, right, causal, gen):
+    """Through the real-first reordering and back (``padding._GatherRows``, whose backward gathers by the inverse
+    permutation): the real tokens' gradients are those of the sequence alone, the padded tokens' are 0, and so are
+    the parameters'."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    module = build_attention(method, E, H, causal=causal, config={"lavo_window": 4, "lln_diag_block_size": 4,
+                                                                  "lln_stats": "ema"}).double().eval()
+    x = torch.randn(N, 1, E, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(N, 1, E, generator=gen, dtype=torch.float64)
+    alone, _ = module(x, x, x)
+    want = torch.autograd.grad(alone, [x, *module.parameters()], grad)
+    xp, mask = padded(x.detach(), left, right, 3.0)
+    xp.requires_grad_()
+    out, _ = module(xp, xp, xp, key_padding_mask=mask)
+    got = torch.autograd.grad(out[left:left + N], [xp, *module.parameters()], grad)
+    torch.testing.assert_close(got[0][left:left + N], want[0], rtol=1e-9, atol=1e-12)
+    assert not got[0][:left].any() and not got[0][left + N:].any()
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
