@@ -58,7 +58,7 @@ def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, B
              EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr,
              FAIRSEQ: tl.constexpr):
     """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); every tensor in fairseq's layout (FAIRSEQ) or
-    contiguous (``common.row_at``)."""
+    contiguous (``common.tile_at``)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
     rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB, BD,

@@ -84,7 +84,7 @@ def fairseq_layout(x: torch.Tensor) -> bool:
 
 
 def in_layout(x: torch.Tensor, fairseq: bool) -> torch.Tensor:
-    """x (B,H,N,X) in fairseq's layout (``fairseq``) or contiguous, as the kernels read it (``row_at``): itself where
+    """x (B,H,N,X) in fairseq's layout (``fairseq``) or contiguous, as the kernels read it (``tile_at``): itself where
     it is so, else a copy."""
     if fairseq:
         return x if fairseq_layout(x) else x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
@@ -102,18 +102,10 @@ def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
 
 
 @triton.jit
-def row_at(pid, rows, R, X, BH, FAIRSEQ: tl.constexpr):
-    """Offsets (rows,) of rows ``rows`` of head ``pid`` (B*H order) in a (B,H,R,X) tensor (``in_layout``):
-    fairseq's (heads X apart, rows BH*X apart) or contiguous (heads R*X apart, rows X). Tensors of one size share
-    the offsets."""
-    if FAIRSEQ:
-        return pid * X + rows * (BH * X)
-    return pid * (R * X) + rows * X
-
-
-@triton.jit
 def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
-    """Offsets (rows, cols) of a tile of head ``pid``'s rows ``rows`` and columns ``cols`` (``row_at``)."""
+    """Offsets (rows, cols) of head ``pid``'s rows ``rows`` and columns ``cols`` (B*H order) in a (B,H,R,X) tensor
+    (``in_layout``): fairseq's (heads X apart, rows BH*X apart) or contiguous (heads R*X apart, rows X). Tensors of
+    one size share the offsets."""
     if FAIRSEQ:
         return pid * X + rows[:, None] * (BH * X) + cols[None, :]
     return pid * R * X + rows[:, None] * X + cols[None, :]

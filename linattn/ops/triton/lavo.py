@@ -95,7 +95,7 @@ def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, xl_ptr, win_ptr, BH, H, N, 
            scale, BW: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
            CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr):
     """Window m of head ``pid``: F_local (BW, BD) stored fp32, and its sum over the window's real tokens; q, k, v
-    and F_local in fairseq's layout (FAIRSEQ) or contiguous (``common.row_at``)."""
+    and F_local in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)

@@ -79,7 +79,7 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
              WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
-    shifts g, rho, lse (C,). q, k, v and out in fairseq's layout (FAIRSEQ) or contiguous (``common.row_at``)."""
+    shifts g, rho, lse (C,). q, k, v and out in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)

@@ -15,7 +15,7 @@ from .common import block, fairseq_layout, in_layout, launch, tile_at
 @triton.jit
 def _block_max(k_ptr, beta_ptr, mask_ptr, out_ptr, BH, H, N, D, NB, ROWS, BR: tl.constexpr, BD: tl.constexpr,
                HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One block of ROWS keys of one head (k in fairseq's layout or contiguous: ``common.row_at``): out[d, block] = max
+    """One block of ROWS keys of one head (k in fairseq's layout or contiguous: ``common.tile_at``): out[d, block] = max
     over its unpadded keys of beta k_d, -inf if none."""
     c = tl.program_id(0)
     pid = tl.program_id(1)

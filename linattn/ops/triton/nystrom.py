@@ -53,7 +53,7 @@ def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.cons
 def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
                  KEYS: tl.constexpr):
-    """Rows ``rows`` (< end) of Q or K (KEYS; fairseq's layout or contiguous: ``common.row_at``) of head ``pid``: x
+    """Rows ``rows`` (< end) of Q or K (KEYS; fairseq's layout or contiguous: ``common.tile_at``) of head ``pid``: x
     (R, BD) in HALF_TY (a padded query 0), C =
     kappa(x_s, L) (R, BL) fp32 (0 on rows past the end and on padded keys), and whether each row is a real token."""
     d = tl.arange(0, BD)
