@@ -67,9 +67,9 @@ def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, op, causal,
     """q, k, v and dL/d(out) in fairseq's layout, contiguous or another: the contiguous run's output and gradients,
     bit for bit, in the inputs' layouts where the kernels read them in place (``helpers.check_fused_layouts``);
     LLN+Diag's block backward adds LLN's gradients in the kernel."""
-    q, k, v = inputs(gen, torch.float16, 19)
-    mask = padding_mask(2, 19, "right", gen)
-    grad = torch.randn(2, 2, 19, 12, generator=gen).half()
+    q, k, v = inputs(gen, torch.float16, 11)
+    mask = padding_mask(2, 11, "right", gen)
+    grad = torch.randn(2, 2, 11, 12, generator=gen).half()
     fn = block if op == "block" else lln_diag
     check_fused_layouts(lambda *qkv: fn(*qkv, "fused", causal=causal, mask=mask), (q, k, v), grad, layouts)
 
