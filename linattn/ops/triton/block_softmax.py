@@ -22,8 +22,8 @@ from .common import (
     block,
     block_rows,
     emulate_half_dot,
-    fairseq_layout,
     half_dot,
+    in_first_layout,
     in_layout,
     launch,
     new_rows,
@@ -114,8 +114,7 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block
     b, h, n, d = q.shape
     dv = v.shape[-1]
     out = new_rows(q, dv, q.dtype)
-    fairseq = fairseq_layout(q)  # the kernel reads q's layout (fairseq's or contiguous), and k, v and avg in it
-    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    fairseq, (q, k, v) = in_first_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     avg = out if average_with is None else in_layout(average_with, fairseq)
     _forward[(triton.cdiv(n, block_size), b * h)](
@@ -141,8 +140,7 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     b, h, n, d = q.shape
     dv_dim = v.shape[-1]
     dq, dk, dv = _empty_grads(q, k, v)
-    fairseq = fairseq_layout(q)  # the kernel reads q's layout (fairseq's or contiguous), and the others in it
-    q, k, v, grad = (in_layout(t, fairseq) for t in (q, k, v, grad.to(q.dtype)))
+    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]

@@ -91,6 +91,13 @@ def in_layout(x: torch.Tensor, fairseq: bool) -> torch.Tensor:
     return x.contiguous()
 
 
+def in_first_layout(*tensors: torch.Tensor) -> Tuple[bool, Tuple[torch.Tensor, ...]]:
+    """Whether the first of ``tensors`` (each (B,H,N,X)) is in fairseq's layout, and all of them in its layout
+    (``in_layout``): what an op's kernels read, q's layout (no copy of q where it is fairseq's or contiguous)."""
+    fairseq = fairseq_layout(tensors[0])
+    return fairseq, tuple(in_layout(t, fairseq) for t in tensors)
+
+
 def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
              layout_of: Optional[torch.Tensor] = None) -> torch.Tensor:
     """An empty (B,H,N,width) tensor with the rows of ``like`` (B,H,N,X), in fairseq's layout if ``layout_of``

@@ -22,18 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..lavo.memory import memory_mean
-from .common import (
-    HALF,
-    block,
-    emulate_half_dot,
-    fairseq_layout,
-    half_dot,
-    in_layout,
-    launch,
-    new_rows,
-    tile_at,
-    wide_dot,
-)
+from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
 
 
 @triton.jit
@@ -170,8 +159,7 @@ def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid
     nw = tok.shape[1] // w
     out = new_rows(q, d, q.dtype)
     xl = new_rows(q, d, torch.float32)  # F_local, in q's layout
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
-    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    fairseq, (q, k, v) = in_first_layout(q, k, v)
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     win = q.new_empty((b, h, nw, d), dtype=torch.float32)
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,

@@ -19,18 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..lavo.memory import memory_mean_grad
-from .common import (
-    HALF,
-    block,
-    emulate_half_dot,
-    fairseq_layout,
-    half_dot,
-    in_layout,
-    launch,
-    new_rows,
-    tile_at,
-    wide_dot,
-)
+from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
 from .lavo import load_bases, memory_probs, window_of, window_probs
 
 SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
@@ -147,8 +136,7 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     nw = tok.shape[1] // w
     dq, dk, dv = _empty(q, k, v)
     dqg = new_rows(q, d, torch.float32)  # dL/dq from F_global, in q's layout
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
-    q, k, v, grad = (in_layout(t, fairseq) for t in (q, k, v, grad.to(q.dtype)))
+    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
                  FAIRSEQ=fairseq)

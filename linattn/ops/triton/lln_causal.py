@@ -30,9 +30,8 @@ from .common import (
     block,
     block_rows,
     emulate_half_dot,
-    fairseq_layout,
     half_dot,
-    in_layout,
+    in_first_layout,
     launch,
     load_state,
     new_rows,
@@ -127,8 +126,7 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     b, h, n, d = q.shape
     nc = g.shape[2]
     dv = v.shape[-1]
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
-    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    fairseq, (q, k, v) = in_first_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     top = key_block_max(k, beta, mask_u8, mask is not None, chunk).cummax(-1).values  # M_c, -inf before any key
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)

@@ -26,9 +26,8 @@ from .common import (
     block,
     block_rows,
     emulate_half_dot,
-    fairseq_layout,
     half_dot,
-    in_layout,
+    in_first_layout,
     launch,
     load_state,
     new_rows,
@@ -158,8 +157,7 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     dv_dim = v.shape[-1]
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
-    q, k, v, grad, out = (in_layout(t, fairseq) for t in (q, k, v, grad, out))
+    fairseq, (q, k, v, grad, out) = in_first_layout(q, k, v, grad, out)
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
     walk = launch("lln_causal_grad_states", d, dv_dim)

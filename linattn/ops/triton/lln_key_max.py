@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import block, fairseq_layout, in_layout, launch, tile_at
+from .common import block, in_first_layout, launch, tile_at
 
 
 @triton.jit
@@ -40,8 +40,7 @@ def key_block_max(k: Tensor, beta: Tensor, mask_u8: Tensor, has_mask: bool, rows
     where a block has no key."""
     b, h, n, d = k.shape
     nb = triton.cdiv(n, rows)
-    fairseq = fairseq_layout(k)
-    k = in_layout(k, fairseq)
+    fairseq, (k,) = in_first_layout(k)
     out = torch.empty((b, h, d, nb), dtype=torch.float32, device=k.device)
     _block_max[(nb, b * h)](k, beta, mask_u8, out, b * h, h, n, d, nb, rows, BR=min(block(rows), 64),
                             BD=block(d), HAS_MASK=has_mask, FAIRSEQ=fairseq, **launch("lln_key_max", d))

@@ -20,9 +20,8 @@ from .common import (
     TINY,
     block,
     emulate_half_dot,
-    fairseq_layout,
     half_dot,
-    in_layout,
+    in_first_layout,
     launch,
     load_state,
     new_rows,
@@ -101,8 +100,7 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     out, s, den, m = _empty(q, v, averaged)
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
-    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    fairseq, (q, k, v) = in_first_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     length = k.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, fairseq_layout, in_layout, launch, load_state, new_rows, tile_at, wide_dot
+from .common import block, in_first_layout, launch, load_state, new_rows, tile_at, wide_dot
 
 
 @triton.jit
@@ -108,8 +108,7 @@ def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: T
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
-    q, k, v, grad, out = (in_layout(t, fairseq) for t in (q, k, v, grad, out))
+    fairseq, (q, k, v, grad, out) = in_first_layout(q, k, v, grad, out)
     m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)

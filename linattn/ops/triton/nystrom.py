@@ -17,18 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (
-    HALF,
-    block,
-    emulate_half_dot,
-    fairseq_layout,
-    half_dot,
-    in_layout,
-    launch,
-    new_rows,
-    tile_at,
-    wide_dot,
-)
+from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
 
 ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
 SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
@@ -121,8 +110,7 @@ def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optiona
     (B,H,N,Dv) half (fairseq's layout or contiguous: read in place); land (B,H,L,D) fp32, used (B,L) fp32 factors, mask
     (B,N) or None (True = padded)."""
     b, h, n, d = x.shape
-    fairseq = fairseq_layout(x)  # the kernel reads x's layout (fairseq's or contiguous), and w in it
-    x, w = in_layout(x, fairseq), in_layout(w, fairseq)
+    fairseq, (x, w) = in_first_layout(x, w)
     dv, num = w.shape[-1], land.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
     splits = max(1, triton.cdiv(n, SPLIT_ROWS))
@@ -149,8 +137,7 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     out = _empty(q, v)
     b, h, n, d = q.shape
     dv, num = v.shape[-1], land.shape[2]
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and k and v in it
-    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    fairseq, (q, k, v) = in_first_layout(q, k, v)
     land, used = land.contiguous(), used.contiguous()
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import nystrom as forward
-from .common import HALF, block, emulate_half_dot, fairseq_layout, in_layout, launch, new_rows, tile_at, wide_dot
+from .common import HALF, block, emulate_half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
 from .nystrom import kernel_block, landmarks
 
 
@@ -70,8 +70,7 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     dq, dk, dv = _empty(q, k, v)
     b, h, n, d = q.shape
     dv_dim, num = v.shape[-1], land.shape[2]
-    fairseq = fairseq_layout(q)  # the kernels read q's layout (fairseq's or contiguous), and the others in it
-    q, k, v, grad = (in_layout(t, fairseq) for t in (q, k, v, grad.to(q.dtype)))
+    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
     land, used = land.contiguous(), used.contiguous()
     du = forward.kernel_state(q, grad, land, used, mask, keys=False)
     dt = (m_inv @ du).contiguous()
