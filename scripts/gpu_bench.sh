@@ -18,13 +18,13 @@ while [ $# -gt 0 ]; do
 Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|parallel|auto] [--dtypes DTYPE...]
                                  [--tune SECONDS] [--profile] [--quick]
 
-One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward,
-median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag, LAVO causal and Skyformer with
---attention-impl IMPL [fused], against the softmax module (SDPA) of the same causality, in float16 and bfloat16,
-at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1); causal steps unpadded, non-causal
-ones with the last eighth of one sequence padded. One small step of every series per dtype first compiles the
-kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its own, capped at
---cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
+One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward from
+an output gradient with no loss, median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag,
+LAVO causal and Skyformer with --attention-impl IMPL [fused], against the softmax module (SDPA) of the same
+causality, in float16 and bfloat16, at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1);
+causal steps unpadded, non-causal ones with the last eighth of one sequence padded. One small step of every series
+per dtype first compiles the kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its
+own, capped at --cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
 [DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran)
 and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [both].
 --tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 checks, then the launch settings

@@ -4,8 +4,8 @@ step at two lengths (the op budget compares them), bytes saved for backward in b
     python -m linattn_tools.benchmark.gpu_shape [--impl parallel] [--lengths 2048 8192] [--json F]
     python -m linattn_tools.benchmark.gpu_shape --render BEFORE.json PARALLEL.json LOOPED.json --docs docs/benchmarks.md
 
-One step: ``build_attention(method, 768, 12)``, B = 2 with the second sequence's last eighth padded,
-forward + backward, default options (docs/benchmarks.md, "GPU shape").
+One step (``step``): ``build_attention(method, 768, 12)``, B = 2 with the second sequence's last eighth padded,
+forward + backward from an output gradient, default options (docs/benchmarks.md, "GPU shape").
 """
 import argparse
 import json
@@ -54,8 +54,14 @@ def add_step_arguments(p: argparse.ArgumentParser, impl: str) -> None:
 
 
 def step(module, x, mask) -> None:
+    """One training step of the module as a layer of a fairseq model runs it: its gradients and x's set to None (as
+    fairseq's ``zero_grad`` does), forward, and backward from an output gradient. x's values stand in for that
+    gradient, which the next layer sends in a model: the output's shape, dtype and scale, with no loss computed
+    here (a loss would add its own ops, the same to every method, to every step timed)."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
     out, _ = module(x, x, x, key_padding_mask=mask, need_weights=False)
-    out.float().square().mean().backward()
+    out.backward(x.detach())
 
 
 def count_step(method: str, causal: bool, n: int, impl: str, device: str = "cpu", **options) -> Dict[str, int]:

@@ -6,10 +6,11 @@ causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.
     python -m linattn_tools.benchmark.targets --render docs/benchmarks/gpu_targets_h100.json --run parallel
     bash scripts/gpu_bench.sh                                                    # every point, then the table
 
-One step: ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``, weights and inputs in
-``--dtype``, B = ``--tokens-per-step`` // N, forward + backward; causal steps unpadded, non-causal ones with the last
-eighth of the last sequence padded. Time: median of ``--repeats`` steps (CUDA events on a GPU) after warm-up;
-peak memory above the inputs. Each point records the implementation the module's op ran.
+One step (``gpu_shape.step``): ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``,
+weights and inputs in ``--dtype``, B = ``--tokens-per-step`` // N, forward + backward from an output gradient (no
+loss); causal steps unpadded, non-causal ones with the last eighth of the last sequence padded. Time: median of
+``--repeats`` steps (CUDA events on a GPU) after warm-up; peak memory above the inputs. Each point records the
+implementation the module's op ran.
 """
 import argparse
 import json

@@ -7,6 +7,7 @@ module's count is not its flash kernel's.
     python -m linattn_tools.benchmark.traffic --method lln --causal --n 4096 --impl fused
 """
 import argparse
+import math
 import sys
 from collections import defaultdict
 from typing import Dict, List, Optional
@@ -42,9 +43,15 @@ class _Traffic(TorchDispatchMode):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-1].shape[1]
         elif name in ("bmm", "baddbmm"):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-2].shape[2] * ins[-1].shape[2]
-        self.rows.append((name, sum(t.numel() * t.element_size() for t in ins + outs), flops,
+        self.rows.append((name, sum(_bytes(t) for t in ins + outs), flops,
                           outs[0].dtype if outs else None))
         return out
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes of the elements t addresses: an expanded tensor (stride 0, as a gather's index along one dim) reads
+    each of its elements once from memory, its repeats from cache."""
+    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
 
 
 def seconds(nbytes: int, flops: int, dtype) -> float:
