@@ -32,6 +32,25 @@ def padding_mask(batch: int, n: int, side: str, generator=None) -> torch.Tensor:
     return mask
 
 
+def padded_row_against_alone(fn, gen, n, left, right, causal, dtype=torch.float64):
+    """fn(q, k, v, causal, mask) on one row of n tokens, alone and with ``left`` and ``right`` padded tokens (huge
+    entries): (output, gradients) of the real tokens, each way, the output gradient 0 on padding (as a model's
+    loss sends it)."""
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    grad = torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64).to(dtype)
+    pad = lambda t, fill: torch.cat([t.new_full((1, 2, left, 8), fill), t, t.new_full((1, 2, right, 8), fill)], 2)
+    mask = torch.zeros(1, left + n + right, dtype=torch.bool)
+    mask[:, :left], mask[:, left + n:] = True, True
+    results = []
+    for args, m, g in (((q, k, v), None, grad), ((pad(q, 3.0), pad(k, 1e3), pad(v, -1e3)), mask, pad(grad, 0.0))):
+        leaves = [t.clone().requires_grad_() for t in args]
+        out = fn(*leaves, causal=causal, mask=m)
+        grads = torch.autograd.grad(out, leaves, g)
+        real = slice(0, n) if m is None else slice(left, left + n)
+        results.append((out[:, :, real], *(d[:, :, real] for d in grads)))
+    return results
+
+
 def fairseq_layout(*tensors: torch.Tensor):
     """(B,H,T,D) tensors laid out as fairseq's (T,B,H,D) projections seen as (B,H,T,D): no row is contiguous."""
     return tuple(t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in tensors)

@@ -6,7 +6,6 @@ from linattn import ops
 from linattn.ops import mix_lln_diag
 
 from .lln import LLNAttention
-from .padding import over_real_tokens, rows_over_real_tokens
 from .registry import register_attention
 
 
@@ -21,9 +20,9 @@ class LLNDiagAttention(LLNAttention):
         self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
         self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
 
-    @over_real_tokens
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
-        """One op: ``average`` fuses both parts (one output, one set of gradients), the learnable mixes mix them."""
+        """One op: ``average`` fuses both parts (one output, one set of gradients), the learnable mixes mix them.
+        Its blocks count each row's real tokens, padding anywhere (``linattn.ops.real_tokens``)."""
         alpha, beta = self.matcher(q, k, key_padding_mask)
         return ops.lln_diag_attention(q, k, v, alpha, beta, block_size=self.block_size, causal=self.causal,
                                       key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, mix=self.mix,
@@ -50,7 +49,6 @@ class LLNDiagAttention(LLNAttention):
         return out, {**state, "block_key": bk[:, :, first:], "block_value": bv[:, :, first:],
                      "block_key_padding_mask": bpad[:, first:], "block_id": bid[:, first:], "position": pos}
 
-    @over_real_tokens
     def reference(self, q, k, v, key_padding_mask=None):
         alpha, beta = self._alpha_beta(q, k, key_padding_mask, None)
         return ops.lln_diag_attention_reference(q, k, v, alpha.to(q), beta.to(q), block_size=self.block_size,
@@ -58,7 +56,6 @@ class LLNDiagAttention(LLNAttention):
                                                 r=self.mix_r, p=self.mix_p)
 
     @torch.no_grad()
-    @rows_over_real_tokens
     def attention_rows(self, q, k, key_padding_mask=None, rows=None, lln=None):
         """``ops.lln_diag_attention_weights`` (LLN §4.2): 0.5 P_lln + 0.5 P_diag for mix ``average``, exact;
         the head's mean mix weights for the learnable mixes (exact when constant over a head's channels)."""

@@ -51,8 +51,8 @@ HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100/H200 (sm_90), A100 (sm_80)
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
-                 "dq_ptr", "dk_ptr", "dv_ptr")
-FLOATS, MASKS = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr")
+                 "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr")
+FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
 # Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
 # Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit
 # the slow tier holds them to
@@ -100,9 +100,9 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
     params = inspect.signature(kernel.fn).parameters
     # FAIRSEQ: the kernels read and write fairseq's layout, as the module's head split gives q, k, v
     consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d, FAIRSEQ=True), **consts, **settings}.items() if p in params}
-    half_ptrs = HALF_POINTERS if key != "block_softmax_backward" else HALF_POINTERS[:-3]  # its gradients are fp32
-    types = {p: "constexpr" if p in consts else ("*" + half if p in half_ptrs else "*u8" if p in MASKS else
-             "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32") for p in params}
+    types = {p: "constexpr" if p in consts else ("*" + half if p in HALF_POINTERS else "*u8" if p in MASKS else
+             "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")
+             for p in params}
     options = {k: settings[k] for k in ("num_warps", "num_stages")}
     return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                           options=options), settings

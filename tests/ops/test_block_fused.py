@@ -3,6 +3,7 @@
 against the float64 references within ``linattn/tolerances.py`` (the softmax's row for the block part), blocks of 8
 with a shorter last one, padding left and right (whole blocks of it: rows that see no key give 0), both
 causalities, fp16 and bf16; the causal leak test; the meta device; one custom op each way."""
+import helpers
 import pytest
 import torch
 from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
@@ -66,20 +67,38 @@ def test_fused_matches_the_float64_reference_with_gradients(gen, op, dtype, caus
 def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, op, causal, layouts):
     """q, k, v and dL/d(out) in fairseq's layout, contiguous or another: the contiguous run's output and gradients,
     bit for bit, in the inputs' layouts where the kernels read them in place (``helpers.check_fused_layouts``);
-    LLN+Diag's block backward adds LLN's gradients in the kernel."""
+    LLN+Diag's block backward adds LLN's gradients in the kernel. (Causal LLN+Diag with a mask gathers q, k, v in
+    each row's real-first order, in fairseq's layout: its kernels are read in place here without one.)"""
     q, k, v = inputs(gen, torch.float16, 11)
-    mask = padding_mask(2, 11, "right", gen)
+    mask = None if op == "lln_diag" and causal else padding_mask(2, 11, "right", gen)
     grad = torch.randn(2, 2, 11, 12, generator=gen).half()
     fn = block if op == "block" else lln_diag
     check_fused_layouts(lambda *qkv: fn(*qkv, "fused", causal=causal, mask=mask), (q, k, v), grad, layouts)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left,right", [(5, 0), (3, 6)])
+@pytest.mark.parametrize("op", ["block", "lln_diag"])
+def test_fused_blocks_count_each_rows_real_tokens(gen, op, left, right, causal):
+    """The kernels read and write a padded row's tokens through its real-first order: its real tokens' outputs and
+    gradients are the row's alone, bit for bit for the block softmax (the same tiles; LLN's chunks shift with the
+    padding, so LLN+Diag within its fp16 tolerance)."""
+    fn = block if op == "block" else lln_diag
+    fused = lambda *t, causal, mask: fn(*t, "fused", causal=causal, mask=mask)  # noqa: E731
+    alone, padded = helpers.padded_row_against_alone(fused, gen, 19, left, right, causal, torch.float16)
+    for a, b in zip(alone, padded):
+        if op == "block":
+            assert torch.equal(b, a)
+        else:
+            assert rel_err(b, a) < tolerance("lln_diag", "float16")
+
+
 def test_fused_block_rows_that_see_no_key_give_zero(gen):
     q, k, v = inputs(gen, torch.float16, 19)
     mask = torch.zeros(2, 19, dtype=torch.bool)
-    mask[1, :8] = True  # the second sequence's first block holds no key
+    mask[1, 8:] = True  # the second sequence's real tokens fill its first block: its other blocks hold no key
     out = block(q, k, v, "fused", causal=False, mask=mask)
-    assert torch.equal(out[1, :, :8], torch.zeros_like(out[1, :, :8])) and out[0].abs().sum() > 0
+    assert torch.equal(out[1, :, 8:], torch.zeros_like(out[1, :, 8:])) and out[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("op", ["block", "lln_diag"])

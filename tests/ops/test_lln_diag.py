@@ -31,6 +31,22 @@ def test_block_softmax_matches_reference(gen, causal, n, block, side, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left,right", [(5, 0), (3, 6), (0, 9)])
+@pytest.mark.parametrize("op", ["block_softmax", "lln_diag"])
+def test_blocks_count_each_rows_real_tokens(gen, op, left, right, causal, impl):
+    """Padding anywhere changes no real token's output or gradient: the blocks are those of the real tokens alone
+    (left padding used to shift every block by its length)."""
+    fns = {"block_softmax": lambda *t, causal, mask: ops.block_softmax_attention(
+        *t, block_size=4, causal=causal, key_padding_mask=mask, impl=impl),
+        "lln_diag": lambda *t, causal, mask: ops.lln_diag_attention(
+        *t, 1.3, 0.8, block_size=4, chunk_size=3, causal=causal, key_padding_mask=mask, impl=impl)}
+    alone, padded = helpers.padded_row_against_alone(fns[op], gen, 11, left, right, causal)
+    for a, b in zip(alone, padded):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_block_softmax_keeps_blocks_apart(gen, impl):
     q, k, v = qkv(gen, n=40)
     out = ops.block_softmax_attention(q, k, v, block_size=16, impl=impl)

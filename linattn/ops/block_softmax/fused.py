@@ -2,8 +2,9 @@
 §1.3.1), forward and backward.
 
 ``BlockInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in their own half dtype and as mask the key padding mask (B,N)
-(True = padded) or None: the kernel forms each block's visible keys (not padded, before the end, not later if
-causal) from it. ``supports`` says which inputs the kernels take; others run ``parallel``.
+(True = padded) with its real-first order (B,N) int32, or both None: the kernel reads each block's rows through the
+order and forms its visible keys (not padded, before the end, not later if causal). ``supports`` says which inputs
+the kernels take; others run ``parallel``.
 """
 from typing import Optional, Tuple
 
@@ -30,7 +31,7 @@ def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[T
     """Block softmax (B,H,N,Dv), or 0.5 (average_with + block softmax) with ``average_with`` (B,H,N,Dv) fp32; in q's
     dtype. Nothing to save (the backward recomputes the probabilities)."""
     from ..triton.block_softmax import block_softmax
-    return block_softmax(x.q, x.k, x.v, x.mask, x.block, x.causal, average_with), ()
+    return block_softmax(x.q, x.k, x.v, x.mask, x.order, x.block, x.causal, average_with), ()
 
 
 def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
@@ -38,5 +39,5 @@ def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
     """dq, dk, dv (B,H,N,·) in q's dtype of ``scale`` * block softmax (probabilities recomputed), plus ``add_to``
     (another part's dq, dk, dv, as LLN's in LLN+Diag) if given, added in fp32 in the kernel."""
     from ..triton.block_softmax import block_softmax_backward
-    return block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.block, x.causal, float(scale),
+    return block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.order, x.block, x.causal, float(scale),
                                   *(add_to or (None, None, None)))

@@ -8,30 +8,35 @@ from torch import Tensor
 
 from ..inputs import check_key_padding_mask, check_positive_int
 from ..precision import compute_dtype
+from ..real_tokens import real_first_order
 
 
 class BlockInputs(NamedTuple):
     """q, k (B,H,N,D), v (B,H,N,Dv); mask: which keys of its block a query may see, in the implementation's layout
-    (``block_inputs``), or None where it may see all; causal; block: rows per block (<= N)."""
+    (``block_inputs``), or None where it may see all; causal; block: rows per block (<= N); order: for ``fused``
+    with a mask, each row's real-first order (B,N) int32 (``real_tokens``), whose rows the blocks hold; else None."""
     q: Tensor
     k: Tensor
     v: Tensor
     mask: Optional[Tensor]
     causal: bool
     block: int
+    order: Optional[Tensor] = None
 
 
 def block_inputs(q, k, v, key_padding_mask, block_size: int, causal: bool, impl: str) -> BlockInputs:
     """Validated inputs for the implementation ``impl`` (q, k, v checked by the caller): ``looped`` gets q, k, v in
     the compute dtype and as mask the visible keys (B|1,nb*bs); ``parallel`` gets them in their own dtype and as
-    mask the hidden keys (B|1,1,nb,bs|1,bs), causality included; ``fused`` in their own dtype with the key padding
-    mask (B,N) as given (the kernel forms the rest)."""
+    mask the hidden keys (B|1,1,nb,bs|1,bs), causality included (both: blocks of consecutive rows); ``fused`` in
+    their own dtype with the key padding mask (B,N) as given and its real-first order (the kernel reads the rows
+    through it and forms the rest)."""
     block_size = check_positive_int("block_size", block_size)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     n = q.shape[2]
     bs = min(block_size, n)
     if impl == "fused":
-        return BlockInputs(q, k, v, key_padding_mask, causal, bs)
+        order = None if key_padding_mask is None else real_first_order(key_padding_mask)[0].to(torch.int32)
+        return BlockInputs(q, k, v, key_padding_mask, causal, bs, order)
     valid = _visible_keys(key_padding_mask, n, bs, q.device)
     if impl == "parallel":
         return BlockInputs(q, k, v, _hidden_keys(valid, bs, causal, q.device), causal, bs)

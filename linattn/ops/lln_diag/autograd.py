@@ -1,17 +1,19 @@
 """LLN+Diag as autograd ops: q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv); ``average`` in one op."""
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..block_softmax.autograd import IMPLEMENTATIONS as BLOCK_IMPLEMENTATIONS
-from ..block_softmax.autograd import block_softmax_attention
+from ..block_softmax.autograd import block_softmax_in_order
 from ..impls import BASE, implementation_for
 from ..inputs import check_positive_int
 from ..lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 from ..lln.autograd import lln_attention
 from ..lln.inputs import lln_inputs
 from ..precision import autocast_off, function_output
+from ..real_tokens import in_real_first_order
 from . import fused
 from .inputs import LLNDiagInputs, lln_diag_inputs
 from .mixing import mix_lln_diag
@@ -31,17 +33,17 @@ class _LLNDiagAverage(torch.autograd.Function):
         x = LLNDiagInputs(*inputs)
         lln, saved = LLN_IMPLEMENTATIONS[impl].forward(x.lln, averaged=True)
         out, _ = BLOCK_IMPLEMENTATIONS[impl].forward(x.diag, average_with=lln)
-        ctx.save_for_backward(x.q, x.k, x.v, x.alpha, x.beta, x.mask, x.block_mask, *saved)
+        ctx.save_for_backward(x.q, x.k, x.v, x.alpha, x.beta, x.mask, x.block_mask, x.block_order, *saved)
         ctx.impl, ctx.options = impl, (x.causal, x.chunk, x.block)
         return function_output(out, x.q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, alpha, beta, mask, block_mask, *saved = ctx.saved_tensors
-        x = LLNDiagInputs(q, k, v, alpha, beta, mask, block_mask, *ctx.options)
+        q, k, v, alpha, beta, mask, block_mask, block_order, *saved = ctx.saved_tensors
+        x = LLNDiagInputs(q, k, v, alpha, beta, mask, block_mask, *ctx.options, block_order)
         grads = LLN_IMPLEMENTATIONS[ctx.impl].backward(x.lln, saved, grad, scale=0.5)
         dq, dk, dv = BLOCK_IMPLEMENTATIONS[ctx.impl].backward(x.diag, (), grad, scale=0.5, add_to=grads)
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 7
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *(None,) * 8
 
 
 @autocast_off
@@ -53,18 +55,39 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
 
     ``average`` runs both parts in one op (``_LLNDiagAverage``: one output, one set of gradients);
     the learnable mixes, and learnt (gradient-requiring) alpha, beta, combine the two ops' outputs (the fused
-    op folds learnt scales into q and k, which its block softmax must not see).
+    op folds learnt scales into q and k, which its block softmax must not see). With a key padding mask the op runs
+    over each row's real-first order (``real_tokens``), so that its blocks count the row's real tokens, padding
+    anywhere: q, k, v are gathered in that order and the output put back, except in the fused non-causal average,
+    whose block kernels read their rows through the order (LLN's non-causal part does not depend on it).
     """
     learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
+    n = q.shape[2]
+    block = min(check_positive_int("block_size", block_size), n)
+    options = dict(alpha=alpha, beta=beta, block_size=block_size, causal=causal, chunk_size=chunk_size)
     if mix == "average" and not learnt:
-        n = q.shape[2]
-        sizes = dict(chunk=min(check_positive_int("chunk_size", chunk_size), n),
-                     block=min(check_positive_int("block_size", block_size), n))
-        impl = implementation_for(IMPLEMENTATIONS, impl, q, v, **sizes)  # fused: inputs both parts' kernels take
-        x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
-        return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, impl)).to(q.dtype)
+        chunk = min(check_positive_int("chunk_size", chunk_size), n)
+        impl = implementation_for(IMPLEMENTATIONS, impl, q, v, chunk=chunk, block=block)  # fused: both parts'
+        run = functools.partial(_average, impl=impl, **options)
+        in_place = impl == "fused" and not causal
+    else:
+        block_impl = implementation_for(BLOCK_IMPLEMENTATIONS, impl, q, v, block=block)
+        run = functools.partial(_mixed, impl=impl, block_impl=block_impl, mix=mix, r=r, p=p, **options)
+        in_place = False
+    if in_place:
+        return run(q, k, v, key_padding_mask)
+    return in_real_first_order(run, q, k, v, key_padding_mask)
+
+
+def _average(q, k, v, key_padding_mask, *, alpha, beta, block_size, causal, chunk_size, impl) -> Tensor:
+    """The average (``_LLNDiagAverage``) in the resolved implementation ``impl``."""
+    x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
+    return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, impl)).to(q.dtype)
+
+
+def _mixed(q, k, v, key_padding_mask, *, alpha, beta, block_size, causal, chunk_size, impl, block_impl, mix, r,
+           p) -> Tensor:
+    """LLN's op and the block softmax's (in its resolved implementation ``block_impl``), mixed."""
     lln = lln_attention(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask,
                         chunk_size=chunk_size, impl=impl)
-    diag = block_softmax_attention(q, k, v, block_size=block_size, causal=causal,
-                                   key_padding_mask=key_padding_mask, impl=impl)
+    diag = block_softmax_in_order(q, k, v, key_padding_mask, block_size, causal, block_impl)
     return mix_lln_diag(lln, diag, mix, r, p)

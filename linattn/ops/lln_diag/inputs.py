@@ -9,7 +9,8 @@ from ..lln.inputs import LLNInputs
 
 class LLNDiagInputs(NamedTuple):
     """The fields of ``LLNInputs`` (q, k, v, alpha, beta, the key padding mask, causal, chunk) and of the block
-    softmax's ``BlockInputs`` (its mask ``block_mask``, block): each part's inputs are ``lln`` and ``diag``."""
+    softmax's ``BlockInputs`` (its mask ``block_mask``, block, order ``block_order``): each part's inputs are
+    ``lln`` and ``diag``."""
     q: Tensor
     k: Tensor
     v: Tensor
@@ -20,6 +21,7 @@ class LLNDiagInputs(NamedTuple):
     causal: bool
     chunk: int
     block: int
+    block_order: Optional[Tensor]
 
     @property
     def lln(self) -> LLNInputs:
@@ -27,11 +29,12 @@ class LLNDiagInputs(NamedTuple):
 
     @property
     def diag(self) -> BlockInputs:
-        return BlockInputs(self.q, self.k, self.v, self.block_mask, self.causal, self.block)
+        return BlockInputs(self.q, self.k, self.v, self.block_mask, self.causal, self.block, self.block_order)
 
 
 def lln_diag_inputs(x: LLNInputs, block_size: int, impl: str) -> LLNDiagInputs:
     """LLN's validated inputs ``x`` (constant alpha, beta: learnt scales folded into q, k would reach the block
     softmax) with the block softmax's mask and block size for the implementation ``impl``."""
     diag = block_inputs(x.q, x.k, x.v, x.mask, block_size, x.causal, impl)
-    return LLNDiagInputs(x.q, x.k, x.v, x.alpha, x.beta, x.mask, diag.mask, x.causal, x.chunk, diag.block)
+    return LLNDiagInputs(x.q, x.k, x.v, x.alpha, x.beta, x.mask, diag.mask, x.causal, x.chunk, diag.block,
+                        diag.order)

@@ -7,6 +7,7 @@ from ..block_softmax.reference import block_softmax_attention_reference, block_s
 from ..inputs import check_positive_int
 from ..lln.reference import lln_attention_reference, lln_attention_weights
 from ..masking import Rows
+from ..real_tokens import in_real_first_order, rows_in_real_first_order
 from .mixing import MIX_MODES, mix_lln_diag
 
 
@@ -14,12 +15,16 @@ def lln_diag_attention_reference(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *
                                  causal: bool = False, key_padding_mask: Optional[Tensor] = None,
                                  chunk_size: int = 64, mix: str = "average", r: Optional[Tensor] = None,
                                  p: Optional[Tensor] = None) -> Tensor:
-    """Both parts materialised as N×N matrices (chunk_size checked, unused: a reference has no chunks)."""
+    """Both parts materialised as N×N matrices (chunk_size checked, unused: a reference has no chunks), over each
+    row's real-first order with a key padding mask (``real_tokens``; the blocks count the row's real tokens)."""
     check_positive_int("chunk_size", chunk_size)
-    lln = lln_attention_reference(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask)
-    diag = block_softmax_attention_reference(q, k, v, block_size=block_size, causal=causal,
-                                             key_padding_mask=key_padding_mask)
-    return mix_lln_diag(lln, diag, mix, r, p)
+
+    def mixed(q, k, v, key_padding_mask):
+        lln = lln_attention_reference(q, k, v, alpha, beta, causal=causal, key_padding_mask=key_padding_mask)
+        diag = block_softmax_attention_reference(q, k, v, block_size=block_size, causal=causal,
+                                                 key_padding_mask=key_padding_mask)
+        return mix_lln_diag(lln, diag, mix, r, p)
+    return in_real_first_order(mixed, q, k, v, key_padding_mask)
 
 
 def lln_diag_attention_weights(q: Tensor, k: Tensor, alpha, beta, *, block_size: int = 64, causal: bool = False,
@@ -31,10 +36,16 @@ def lln_diag_attention_weights(q: Tensor, k: Tensor, alpha, beta, *, block_size:
     channel c separately (r, p of shape (H, Dv)), so P uses each head's mean weights r̄, p̄:
     ``learnable_ratio`` r̄ P_lln + (1 - r̄) P_diag, ``learnable_scale`` (r̄ P_lln + p̄ P_diag) / (r̄ + p̄);
     exact when the weights are constant over a head's channels (for ``learnable_scale`` the output is
-    then (r̄ + p̄) P V).
+    then (r̄ + p̄) P V). With a key padding mask: the matrix over each row's real-first order, as the op's.
     """
     if mix not in MIX_MODES:
         raise ValueError(f"mix must be one of {MIX_MODES}, got {mix!r}")
+    return rows_in_real_first_order(_weights, q, k, key_padding_mask, rows, alpha, beta, block_size, causal, mix, r,
+                                    p)
+
+
+def _weights(q, k, key_padding_mask, rows, alpha, beta, block_size, causal, mix, r, p) -> Tensor:
+    """``lln_diag_attention_weights`` over the tokens in their order."""
     lln = lln_attention_weights(q, k, alpha, beta, causal=causal, key_padding_mask=key_padding_mask, rows=rows)
     diag = block_softmax_weights(q, k, block_size=block_size, causal=causal, key_padding_mask=key_padding_mask,
                                  rows=rows)

@@ -3,6 +3,8 @@
 
 Forward: P = softmax(q kᵀ / sqrt(D)) over the keys of the query's own block that it may see (not padded, before the
 end, not later if causal), 0 on a row that sees none; out = P v, or 0.5 (average_with + P v) (LLN+Diag's average).
+With a key padding mask the blocks are those of each row's real-first order (``real_tokens``): a program reads its
+rows, and writes them, through the order, so that padding anywhere is not counted and nothing is gathered.
 Backward, P recomputed: dP = g vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)) / sqrt(D), dq = dS k, dk = dSᵀ q, dv = Pᵀ g, all
 times ``scale``, plus another part's gradients (LLN's, in LLN+Diag) where given, added in fp32 and stored once in the
 inputs' dtype. q kᵀ and g vᵀ multiply half inputs, P v and Pᵀ g a product ≤ 1 with half values: tensor cores with
@@ -33,12 +35,18 @@ from .common import (
 
 
 @triton.jit
-def _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D, BS, sm_scale, BB: tl.constexpr,
-           BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
+def _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D, BS, sm_scale,
+           BB: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
            HAS_MASK: tl.constexpr):
-    """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB)."""
+    """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB).
+    With a mask the block is one of the row's real-first order (``order``, (B,N) int32): its rows are read through
+    the order, and a key is visible where the mask says it is real."""
     d = tl.arange(0, BD)
-    i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, HAS_MASK)
+    i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, False)
+    if HAS_MASK:
+        row0 = (pid // H) * N
+        rows = tl.load(order_ptr + row0 + rows, mask=ok, other=0)
+        key_ok = ok & (tl.load(mask_ptr + row0 + rows, mask=ok, other=1) == 0)
     inside = ok[:, None] & (d[None, :] < D)
     qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
     kk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
@@ -53,7 +61,7 @@ def _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D,
 
 
 @triton.jit
-def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, BS,
+def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, BS,
              sm_scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
              EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr,
              FAIRSEQ: tl.constexpr):
@@ -61,8 +69,8 @@ def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, B
     contiguous (``common.tile_at``)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB, BD,
-                               HALF_TY, EMULATE, CAUSAL, HAS_MASK)
+    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB,
+                               BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
     vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
@@ -73,16 +81,16 @@ def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, B
 
 
 @triton.jit
-def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, BH, H, N, D, DV,
-              BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
-              EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, ADD: tl.constexpr,
-              WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, order_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, BH,
+              H, N, D, DV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+              ADD: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One block of one head: dq, dk (BS, D), dv (BS, DV) of ``scale`` x block softmax, computed in fp32, plus (ADD)
     aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ) or contiguous."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB, BD,
-                                 HALF_TY, EMULATE, CAUSAL, HAS_MASK)
+    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale,
+                                 BB, BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
@@ -106,19 +114,19 @@ def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, aq_ptr, ak_ptr, av_ptr, d
 
 
 @torch.library.custom_op("linattn::block_softmax", mutates_args=())
-def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block_size: int, causal: bool,
-                  average_with: Optional[Tensor]) -> Tensor:
-    """q, k (B,H,N,D), v (B,H,N,Dv) half; mask (B,N) True = padded key, or None; ``block_size`` rows a block (<= N);
-    ``average_with`` (B,H,N,Dv) fp32 or None -> block softmax (B,H,N,Dv), or 0.5 (average_with + it), q's dtype, in
-    q's layout (``common.new_rows``)."""
+def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], order: Optional[Tensor], block_size: int,
+                  causal: bool, average_with: Optional[Tensor]) -> Tensor:
+    """q, k (B,H,N,D), v (B,H,N,Dv) half; mask (B,N) True = padded key and ``order`` (B,N) int32 its rows' real-first
+    order (the blocks' rows), or both None; ``block_size`` rows a block (<= N); ``average_with`` (B,H,N,Dv) fp32 or
+    None -> block softmax (B,H,N,Dv), or 0.5 (average_with + it), q's dtype, in q's layout (``common.new_rows``)."""
     b, h, n, d = q.shape
     dv = v.shape[-1]
     out = new_rows(q, dv, q.dtype)
     fairseq, (q, k, v) = in_first_layout(q, k, v)
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8, order = _mask_and_order(mask, order, k)
     avg = out if average_with is None else in_layout(average_with, fairseq)
     _forward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, mask_u8, avg, out, b * h, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size),
+        q, k, v, mask_u8, order, avg, out, b * h, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size),
         BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
         HAS_MASK=mask is not None, FAIRSEQ=fairseq,
         AVERAGE=average_with is not None, **launch("block_softmax", d))
@@ -126,13 +134,14 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], block
 
 
 @block_softmax.register_fake
-def _(q, k, v, mask, block_size, causal, average_with):
+def _(q, k, v, mask, order, block_size, causal, average_with):
     return new_rows(q, v.shape[-1], q.dtype)
 
 
 @torch.library.custom_op("linattn::block_softmax_backward", mutates_args=())
-def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor], block_size: int,
-                           causal: bool, scale: float, add_q: Optional[Tensor], add_k: Optional[Tensor],
+def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor],
+                           order: Optional[Tensor], block_size: int, causal: bool, scale: float,
+                           add_q: Optional[Tensor], add_k: Optional[Tensor],
                            add_v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """dq, dk (B,H,N,D), dv (B,H,N,Dv) of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype), plus
     add_q, add_k, add_v (another part's gradients, or all None) added in fp32; in q's dtype and the layouts of q, k,
@@ -141,11 +150,11 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     dv_dim = v.shape[-1]
     dq, dk, dv = _empty_grads(q, k, v)
     fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8, order = _mask_and_order(mask, order, k)
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
     _backward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, grad, mask_u8, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, block_size, 1 / math.sqrt(d),
+        q, k, v, grad, mask_u8, order, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, block_size, 1 / math.sqrt(d),
         float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
         EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add, FAIRSEQ=fairseq,
         **launch("block_softmax_backward", d))
@@ -153,8 +162,17 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
 
 
 @block_softmax_backward.register_fake
-def _(q, k, v, grad, mask, block_size, causal, scale, add_q, add_k, add_v):
+def _(q, k, v, grad, mask, order, block_size, causal, scale, add_q, add_k, add_v):
     return _empty_grads(q, k, v)
+
+
+def _mask_and_order(mask: Optional[Tensor], order: Optional[Tensor], stand_in: Tensor) -> Tuple[Tensor, Tensor]:
+    """The mask as uint8 and the order, contiguous, or ``stand_in`` for both without a mask (never read)."""
+    if mask is None:
+        return stand_in, stand_in
+    if order is None:
+        raise ValueError("block_softmax: a key padding mask needs its real-first order (real_tokens.real_first_order)")
+    return mask.to(torch.uint8).contiguous(), order.contiguous()
 
 
 def _empty_grads(q: Tensor, k: Tensor, v: Tensor):
