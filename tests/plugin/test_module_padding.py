@@ -101,7 +101,7 @@ def test_decoding_a_padded_sequence_counts_real_tokens_too(method, left, right, 
 @pytest.mark.parametrize("left, right", [(5, 0), (3, 2)])
 @pytest.mark.parametrize("method", ["lavo", "lln_diag"])
 def test_padded_sequence_gets_its_unpadded_gradients(method, left, right, causal, gen):
-    """Through the real-first reordering and back (``padding._GatherRows``, whose backward gathers by the inverse
+    """Through the real-first reordering and back (``real_tokens._GatherRows``, whose backward gathers by the inverse
     permutation): the real tokens' gradients are those of the sequence alone, the padded tokens' are 0, and so are
     the parameters'."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
