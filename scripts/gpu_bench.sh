@@ -25,8 +25,9 @@ causality, in float16 and bfloat16, at N = 2048, 4096, 16384, 32768 with 32768 t
 causal steps unpadded, non-causal ones with the last eighth of one sequence padded. One small step of every series
 per dtype first compiles the kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its
 own, capped at --cap seconds [$CAP] (a point over it is left out of the table and named); it writes DIR/<dtype>_<N>.json
-[DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran)
-and the worst peak memory over softmax's. --dtypes: some of float16 bfloat16 [both].
+[DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran,
+for fused steps their byte floor over their time, docs/benchmarks/step_floors.json) and the worst peak memory over
+softmax's. --dtypes: some of float16 bfloat16 [both].
 --tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 checks, then the launch settings
 of the kernels, LLN's first, then the block softmax's, Skyformer's and LAVO's; capped at SECONDS: what it found by
 then counts, its checks included) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
@@ -89,7 +90,10 @@ fi
 shopt -s nullglob
 points=("$OUT"/[fb]*_[0-9]*.json)
 [ ${#points[@]} -gt 0 ] || { echo "gpu_bench.sh: no point finished" >&2; exit 1; }
-"$PY" -m linattn_tools.benchmark.targets --render "${points[@]}" | tee "$OUT/targets.md"
+FLOORS=()  # each fused step's byte floor (counted on the meta device, committed) over its time
+[ "$IMPL" = fused ] && [ -f "$ROOT/docs/benchmarks/step_floors.json" ] && \
+  FLOORS=(--floors "$ROOT/docs/benchmarks/step_floors.json")
+"$PY" -m linattn_tools.benchmark.targets --render "${points[@]}" ${FLOORS[@]+"${FLOORS[@]}"} | tee "$OUT/targets.md"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_bench.sh: over the cap or failed: ${failed[*]}" | tee -a "$OUT/targets.md" >&2
   exit 1

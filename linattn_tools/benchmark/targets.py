@@ -4,6 +4,7 @@ causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.
     python -m linattn_tools.benchmark.targets --dtype bfloat16 --n 4096 --json runs/gpu_bench/bfloat16_4096.json
     python -m linattn_tools.benchmark.targets --render runs/gpu_bench/*.json     # the targets table
     python -m linattn_tools.benchmark.targets --render docs/benchmarks/gpu_targets_h100.json --run parallel
+    python -m linattn_tools.benchmark.targets --floors docs/benchmarks/step_floors.json    # on the meta device
     bash scripts/gpu_bench.sh                                                    # every point, then the table
 
 One step (``gpu_shape.step``): ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``,
@@ -29,10 +30,11 @@ from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
 from .cli import write_json
 
 SIZES = (2048, 4096, 16384, 32768)
-# the time over the softmax module's at each of SIZES (issue table), and the peak memory limit at every N
+# the time over the softmax module's at each of SIZES (issue table: LLN+Diag in both causalities), and the peak
+# memory limit at every N
 TARGETS = {("lln", False): (1.0, 0.6, 0.2, 0.12), ("lln", True): (1.0, 0.6, 0.2, 0.12),
-           ("lln_diag", False): (1.3, 0.8, 0.3, 0.15), ("lavo", True): (1.3, 0.8, 0.3, 0.15),
-           ("skyformer", False): (1.5, 1.0, 0.3, 0.15)}
+           ("lln_diag", False): (1.3, 0.8, 0.3, 0.15), ("lln_diag", True): (1.3, 0.8, 0.3, 0.15),
+           ("lavo", True): (1.3, 0.8, 0.3, 0.15), ("skyformer", False): (1.5, 1.0, 0.3, 0.15)}
 MEMORY_LIMIT = 1.5
 BASELINE = "softmax"  # the module every series is compared with (same causality)
 FLOP_OPTS = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "landmarks": 128}
@@ -86,10 +88,22 @@ def measure_point(args) -> dict:
     return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows}
 
 
-def render(results: List[dict]) -> str:
+def step_floors(sizes=SIZES, tokens: int = 32768, dtype: str = "float16") -> dict:
+    """The byte and FLOP floor (``traffic``, counted on the meta device) of every fused series of ``TARGETS`` at
+    each N of ``sizes``: {series: {N: seconds}} (the bytes of bf16 are those of fp16)."""
+    from linattn_tools.benchmark.traffic import step_traffic
+
+    floors = {f"{m}{' causal' if c else ''}": {str(n): step_traffic(m, c, n, tokens, dtype, "fused")["seconds"]
+                                               for n in sizes} for m, c in TARGETS}
+    return {"tokens_per_step": tokens, "dtype": dtype, "impl": "fused", "floors": floors}
+
+
+def render(results: List[dict], floors: Optional[dict] = None) -> str:
     """Markdown: per dtype and series, time / the softmax module's (target in brackets, the implementation that
-    ran) and the worst peak memory ratio, for every N measured."""
+    ran; with ``floors`` (``step_floors``), the step's floor over its time for ``fused`` points) and the worst peak
+    memory ratio, for every N measured."""
     rows = [r for res in results for r in res["rows"]]
+    floor_of = (floors or {}).get("floors", {})
     lines = []
     for dtype in sorted({r["dtype"] for r in rows}):
         sizes = sorted({r["n"] for r in rows if r["dtype"] == dtype})
@@ -106,7 +120,9 @@ def render(results: List[dict]) -> str:
                 ratio = mine["median_s"] / base["median_s"]
                 goal = dict(zip(SIZES, goals)).get(n)
                 met = "" if goal is None else (" ✓" if ratio <= goal else " ✗") + f" (≤{goal:g})"
-                cells.append(f"{ratio:.2f}×{met} `{mine['impl']}`")
+                floor = floor_of.get(f"{method}{' causal' if causal else ''}", {}).get(str(n))
+                at_floor = f", floor {floor / mine['median_s']:.0%}" if floor and mine["impl"] == "fused" else ""
+                cells.append(f"{ratio:.2f}×{met} `{mine['impl']}`{at_floor}")
                 if base["peak_bytes"]:
                     peaks.append(mine["peak_bytes"] / base["peak_bytes"])
             worst = f"{max(peaks):.2f}× ({'✓' if max(peaks) <= MEMORY_LIMIT else '✗'} ≤{MEMORY_LIMIT:g})" if peaks \
@@ -137,12 +153,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="measure nothing: print the targets table of these points")
     p.add_argument("--run", default=None, help="with --render, of a file holding several runs "
                    "(docs/benchmarks/gpu_targets_h100.json): the one of this name")
+    p.add_argument("--floors", type=Path, default=None, metavar="JSON",
+                   help="with --render: each fused step's floor over its time, from this file; alone: measure "
+                        "nothing on a device, count the floors at every N of the targets on the meta device and "
+                        "write them here (docs/benchmarks/step_floors.json)")
     args = p.parse_args(argv)
     if args.render:
         results = [json.loads(path.read_text()) for path in args.render]
         if args.run:
             results = [{"machine": res["machine"], "rows": res["runs"][args.run]["rows"]} for res in results]
-        print(render(results))
+        print(render(results, json.loads(args.floors.read_text()) if args.floors else None))
+        return 0
+    if args.floors:
+        write_json(args.floors, step_floors(tokens=args.tokens_per_step))
         return 0
     res = measure_point(args)
     if args.json:

@@ -306,6 +306,18 @@ def test_targets_table_compares_each_series_with_softmax_of_its_causality():
     assert "| lln causal | 0.67× ✗ (≤0.6) `fused` | 2.00× (✗ ≤1.5) |" in text  # against causal softmax
     assert "| lln_diag | 0.90× ✗ (≤0.8) `parallel` |" in text and "| skyformer | – | – |" in text
     assert "Measured on: H100, torch 2.11" in text
+    floors = {"floors": {"lln": {"4096": 0.002}, "lln causal": {"4096": 0.003}, "lln_diag": {"4096": 0.004}}}
+    text = render([{"machine": {"cpu": "x", "gpu": "H100", "torch": "2.11"}, "rows": rows}], floors)
+    assert "| lln | 0.50× ✓ (≤0.6) `fused`, floor 40% |" in text and "`fused`, floor 75% |" in text
+    assert "| lln_diag | 0.90× ✗ (≤0.8) `parallel` |" in text  # a parallel step is not judged by the fused floor
+
+
+def test_step_floors_count_every_fused_target_series_on_the_meta_device():
+    from linattn_tools.benchmark.targets import TARGETS, step_floors
+
+    res = step_floors(sizes=(512,), tokens=1024)
+    assert set(res["floors"]) == {f"{m}{' causal' if c else ''}" for m, c in TARGETS}
+    assert all(0 < f["512"] < 1 for f in res["floors"].values())
 
 
 @pytest.mark.slow
