@@ -37,6 +37,10 @@ FUSED_MUTANTS = [
     M("lln-diag-fused-causal-in-place", OPS + "lln_diag/autograd.py", 'in_place = impl == "fused" and not causal',
       'in_place = impl == "fused"', "causal LLN+Diag reads its blocks through the order, its LLN part in the tokens' "
       "order: left-padded rows' padded tokens differ from the op's definition", ("tests/ops/test_block_fused.py",)),
+    M("triton-moments-k-squares-from-q", OPS + "triton/token_moments.py",
+      "tl.store(row + 3 * plane, tl.sum(kk * kk, 1), mask=ok)",
+      "tl.store(row + 3 * plane, tl.sum(qq * qq, 1), mask=ok)",
+      "the moment kernel's sum of k² is q's", ("tests/ops/test_token_moments.py",)),
     M("block-fused-drops-lln-grads", OPS + "block_softmax/fused.py", "*(add_to or (None, None, None)))",
       "None, None, None)", "LLN+Diag's fused backward keeps only the block part's gradients",
       ("tests/ops/test_block_fused.py",)),

@@ -21,7 +21,7 @@ class LLNAttention(AttentionBase):
             mode=c.moment_matching, head_dim=self.head_dim, num_heads=num_heads, per_head=c.lln_stats_per_head,
             stats=("ema" if self.causal else "batch") if c.lln_stats == "auto" else c.lln_stats,
             ema_momentum=c.lln_ema_momentum, max_scale=c.lln_max_scale, fixed_alpha=c.lln_alpha,
-            fixed_beta=c.lln_beta, constants_file=c.lln_constants_file)
+            fixed_beta=c.lln_beta, constants_file=c.lln_constants_file, impl=c.attention_impl)
 
     def lln(self, q, k, v, key_padding_mask):
         alpha, beta = self.matcher(q, k, key_padding_mask)

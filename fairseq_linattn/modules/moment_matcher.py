@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from linattn.ops import check_key_padding_mask, check_positive_int, compute_dtype
+from linattn.ops import check_key_padding_mask, check_positive_int, compute_dtype, token_moments
+from linattn.ops.impls import IMPLS
 from linattn.ops.moment_matching import (
     MIN_SIGMA,
     MODES,
@@ -83,7 +84,8 @@ class MomentMatcher(nn.Module):
     uses the value from before its batch and then, in training only, folds the batch in as
     ema <- ema_momentum * ema + (1 - ema_momentum) * batch, so a causal output never depends on
     future tokens or other sequences; eval uses the frozen buffers). per_head: statistics and
-    alpha, beta per head, else per layer. seq_len: the N of the ``exact`` table.
+    alpha, beta per head, else per layer. seq_len: the N of the ``exact`` table. impl: the attention's
+    ``--attention-impl``, which ``ops.token_moments`` follows (``fused``: q's and k's row sums in one kernel).
 
     sigma is the std of all entries of non-padded tokens (all D channels pooled; see the module
     docstring for the convention). A training forward's ``batch`` statistics are its own rank's (as batch
@@ -98,8 +100,12 @@ class MomentMatcher(nn.Module):
     def __init__(self, mode: str = "paper", *, head_dim: int, num_heads: int = 1, per_head: bool = False,
                  stats: str = "batch", ema_momentum: float = 0.99, max_scale: float = 8.0,
                  a: Optional[float] = None, b: Optional[float] = None, constants_file: Optional[str] = None,
-                 fixed_alpha: Optional[float] = None, fixed_beta: Optional[float] = None, seq_len: int = 512):
+                 fixed_alpha: Optional[float] = None, fixed_beta: Optional[float] = None, seq_len: int = 512,
+                 impl: str = "auto"):
         super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+        self.impl = impl  # the attention's implementation (--attention-impl): fused sums the rows in one kernel
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if stats not in STATS:
@@ -173,16 +179,11 @@ class MomentMatcher(nn.Module):
         (q's and k's stacked: fewer launches).
 
         Each token row's D entries are reduced first, in float32 straight from the input dtype (float64 for float64
-        q, k), with no full-size upcast copy of q or k; the (B, H, N) row sums are then masked and summed over the
-        tokens in float64 (sums over many tokens). A padded row adds 0 whatever it holds, inf or NaN included.
+        q, k), with no full-size upcast copy of q or k (``ops.token_moments``: one kernel with ``--attention-impl
+        fused``); the (B, H, N) row sums are then masked and summed over the tokens in float64 (sums over many
+        tokens). A padded row adds 0 whatever it holds, inf or NaN included.
         """
-        # row sums and 2-norms: the reductions upcast inside their kernel (on CUDA: read fp16/bf16, add in float32)
-        q, k = q.detach(), k.detach()
-        dtypes = [_F64 if x.dtype == _F64 else torch.float32 for x in (q, k)]
-        rows = [x.sum(-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
-        rows += [torch.linalg.vector_norm(x, 2, dim=-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
-        rows = torch.stack(rows).to(_F64)  # (4, B, H, N)
-        rows[2:].square_()  # sums of squares
+        rows = token_moments(q.detach(), k.detach(), self.impl)  # (4, B, H, N)
         keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :]  # (B, 1, N)
         if keep is not None:
             rows = torch.where(keep, rows, 0.0)

@@ -35,3 +35,4 @@ from .moment_matching import exact_moment_table, fit_moment_constants, lln_alpha
 from .precision import compute_dtype
 from .skyformer import skyformer_attention, skyformer_attention_reference, skyformer_kernel_matrix
 from .softmax import softmax_attention, softmax_attention_reference, softmax_attention_weights
+from .token_moments import token_moments

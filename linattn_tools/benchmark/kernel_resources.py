@@ -42,6 +42,7 @@ from linattn.ops.triton import (
     lln_noncausal_backward,
     nystrom,
     nystrom_backward,
+    token_moments,
 )
 from linattn.ops.triton.common import LAUNCH, TF32_SETTINGS, launch
 
@@ -81,6 +82,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),
             (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
              dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),
+            (token_moments._row_moments, "lln_token_moments", dict(BLOCK=token_moments.ROWS)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),

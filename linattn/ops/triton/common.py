@@ -43,7 +43,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lavo_local": dict(num_warps=8, num_stages=1),
           "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(num_warps=8, num_stages=1, TF32=True),
-          "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=True)}
+          "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=True),
+          "lln_token_moments": dict(num_warps=8, num_stages=1)}
 
 # At D or Dv over 64 (blocks of 128): within an H100's 227 KiB of shared memory a block (the Nyström backward's
 # tf32 operands take 272 KiB), and fewer spills at 8 warps (``kernel_resources``)

@@ -1,0 +1,71 @@
+"""Each token row's moments for LLN's moment matching (``ops.token_moments``): the fused kernel
+(``triton/token_moments.py``, run by Triton's interpreter) against float64 sums of the same half entries, in every
+layout the module hands it, and the moment matcher's alpha, beta with ``--attention-impl fused`` against
+``parallel``'s, padding left and right."""
+import pytest
+import torch
+from helpers import LAYOUTS, padding_mask
+
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from linattn import ops
+from linattn.profiling.dispatch import count_dispatch
+
+pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def exact(q, k):
+    """(4,B,H,N) float64: the sums of the half entries, their squares, exactly."""
+    q, k = q.double(), k.double()
+    return torch.stack([q.sum(-1), k.sum(-1), q.square().sum(-1), k.square().sum(-1)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layouts", [("fairseq", "fairseq"), ("contiguous", "fairseq"), ("sliced", "contiguous")])
+@pytest.mark.parametrize("n", [5, 77])
+def test_fused_rows_are_the_sums_of_the_entries_and_their_squares(gen, dtype, layouts, n):
+    """q and k on different scales (a sum of q's squares read from k shows), D = 20 (a masked block of 32), rows
+    across two programs."""
+    q = (3 * torch.randn(2, 3, n, 20, generator=gen)).to(DTYPES[dtype])
+    k = (0.5 * torch.randn(2, 3, n, 20, generator=gen) + 1).to(DTYPES[dtype])
+    laid = [LAYOUTS[name](t)[0] for name, t in zip(layouts, (q, k))]
+    with count_dispatch() as counts:
+        got = ops.token_moments(*laid, impl="fused")
+    assert counts.ops["token_moments"] == 1 and got.dtype == torch.float64 and got.shape == (4, 2, 3, n)
+    torch.testing.assert_close(got, exact(q, k), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl,dtype", [("parallel", torch.float16), ("looped", torch.bfloat16),
+                                        ("fused", torch.float32), ("fused", torch.float64)])
+def test_the_other_implementations_and_dtypes_take_four_reductions(gen, impl, dtype):
+    """fused asked of inputs its kernels do not take (fp32, fp64) is the reductions, float64 accumulating in
+    float64."""
+    q, k = (torch.randn(1, 2, 9, 8, generator=gen).to(dtype) for _ in range(2))
+    with count_dispatch() as counts:
+        got = ops.token_moments(q, k, impl=impl)
+    assert counts.ops["token_moments"] == 0
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, exact(q, k), **tol)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_matcher_with_the_fused_rows_matches_parallel(gen, side, per_head):
+    """alpha, beta (training statistics of a padded half batch, per head and per layer): the kernel's float32 sums
+    of squares against the reductions' squared norms differ only by float32 rounding."""
+    q = (2 * torch.randn(2, 4, 33, 16, generator=gen)).half()
+    k = (0.7 * torch.randn(2, 4, 33, 16, generator=gen)).half()
+    mask = padding_mask(2, 33, side, gen)
+    got = []
+    for impl in ("fused", "parallel"):
+        with count_dispatch() as counts:
+            got.append(MomentMatcher(head_dim=16, num_heads=4, per_head=per_head, impl=impl).train()(q, k, mask))
+        assert counts.ops["token_moments"] == (impl == "fused")
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+
+
+def test_matcher_refuses_an_unknown_implementation():
+    with pytest.raises(ValueError, match="impl must be one of auto, parallel, looped, fused"):
+        MomentMatcher(head_dim=16, impl="triton")
