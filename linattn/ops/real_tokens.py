@@ -20,6 +20,12 @@ def real_first_order(key_padding_mask: Optional[Tensor]) -> Optional[Tuple[Tenso
     return order, mask.bool()
 
 
+def ranks(order: Tensor) -> Tensor:
+    """(B, N): each token's place in its row's order (B, N) (``real_first_order``'s): the inverse permutation."""
+    return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
+                                            .expand_as(order))
+
+
 def token_rows(order: Tensor) -> Tuple[Tensor, Tensor]:
     """(N·B,) rows of a (N, B, ...) tensor flattened to (N·B, ...): new (t, b) <- old (order[b, t], b); and the
     inverse permutation, old <- new."""
@@ -88,9 +94,7 @@ def in_real_first_order(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tens
     order, mask = reordered
     rows = token_rows(order)
     out = fn(take_tokens(q, rows), take_tokens(k, rows), take_tokens(v, rows), mask, *args, **kwargs)
-    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
-                                             .expand_as(order))
-    return _PutBack.apply(out, order, ranks)
+    return _PutBack.apply(out, order, ranks(order))
 
 
 def rows_in_real_first_order(fn: Callable[..., Tensor], q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor],

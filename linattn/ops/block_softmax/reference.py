@@ -8,7 +8,7 @@ from torch import Tensor
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..masking import Rows, masked_softmax, select_rows
 from ..precision import compute_dtype
-from ..real_tokens import real_first_order
+from ..real_tokens import ranks, real_first_order
 
 
 def block_softmax_weights(q: Tensor, k: Tensor, *, block_size: int = 64, causal: bool = False,
@@ -39,8 +39,7 @@ def _positions(key_padding_mask: Optional[Tensor], n: int, device) -> Tensor:
     """(B, N) each token's position in its row's real-first order (the inverse of the order), or (1, N) 0..N-1."""
     if key_padding_mask is None:
         return torch.arange(n, device=device)[None]
-    order, _ = real_first_order(key_padding_mask)
-    return torch.empty_like(order).scatter_(1, order, torch.arange(n, device=device).expand_as(order))
+    return ranks(real_first_order(key_padding_mask)[0])
 
 
 def block_softmax_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, block_size: int = 64,
