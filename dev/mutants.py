@@ -210,7 +210,7 @@ MUTANTS = [
       ("tests/ops/test_token_moments.py",)),
     M("padding-not-put-back", MOD + "padding.py", "return take_tokens(out, rows, back=True)", "return out",
       "left-padded outputs left in real-first order", MODULE_T),
-    M("ops-not-put-back", OPS + "real_tokens.py", "return _PutBack.apply(out, order, ranks)", "return out",
+    M("ops-not-put-back", OPS + "real_tokens.py", "return _PutBack.apply(out, order, ranks(order))", "return out",
       "the ops' left-padded outputs left in real-first order", DIAG_T),
     M("ops-gradient-not-put-back", OPS + "real_tokens.py",
       "return torch.gather(grad, 2, _along_tokens(order, grad)), None, None", "return grad, None, None",
