@@ -3,6 +3,7 @@ import torch
 from torch import Tensor
 
 from .impls import implementation_for
+from .lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 
 _F64 = torch.float64
 
@@ -15,7 +16,7 @@ def token_moments(q: Tensor, k: Tensor, impl: str = "auto") -> Tensor:
     kernel reads q and k once (``triton/token_moments.py``); elsewhere four reductions (their kernels upcast inside
     on CUDA).
     """
-    if implementation_for("lln", impl, q) == "fused":
+    if implementation_for(LLN_IMPLEMENTATIONS, impl, q) == "fused":  # the table, not its name: traced whole
         from .triton.token_moments import token_moments as fused_moments
         return fused_moments(q, k.to(q.dtype)).to(_F64)
     dtypes = [_F64 if x.dtype == _F64 else torch.float32 for x in (q, k)]

@@ -69,3 +69,12 @@ def test_matcher_with_the_fused_rows_matches_parallel(gen, side, per_head):
 def test_matcher_refuses_an_unknown_implementation():
     with pytest.raises(ValueError, match="impl must be one of auto, parallel, looped, fused"):
         MomentMatcher(head_dim=16, impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["auto", "parallel", "fused"])
+def test_the_rows_compile_whole(gen, impl):
+    """Choosing the implementation breaks no graph (the model's ``--attention-compile`` traces the matcher)."""
+    q, k = (torch.randn(2, 3, 11, 8, generator=gen).half() for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k: ops.token_moments(q, k, impl=impl), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k), ops.token_moments(q, k, impl=impl), rtol=0, atol=0)
