@@ -305,4 +305,11 @@ MUTANTS = [
     M("fixes-weights-only", "fairseq_linattn/fairseq_fixes.py", 'kwargs.setdefault("weights_only", False)',
       'kwargs.setdefault("weights_only", True)', "the checkpoint fix keeps torch's weights_only=True",
       ("tests/plugin/test_fairseq_fixes.py",), FAIRSEQ_SLOW),
+    # -- tools --
+    M("ddp-rank-keeps-group", "linattn_tools/ddp_rank.py", "    result = cli_main()\n    leave_process_group()\n",
+      "    result = cli_main()\n", "a rank exits with its gloo group up: it can abort in interpreter finalisation",
+      ("tests/tools/test_cpu_ddp.py",)),
+    M("cpu-ddp-plain-fairseq-train", "linattn_tools/cpu_ddp.py",
+      'executable = [sys.executable, "-m", "linattn_tools.ddp_rank"]', 'executable = ["fairseq-train"]',
+      "the launcher's ranks run fairseq-train, which never leaves its gloo group", ("tests/tools/test_cpu_ddp.py",)),
 ] + FUSED_MUTANTS

@@ -6,7 +6,9 @@ fairseq 0.12 cannot start DDP on a CPU by itself: ``--distributed-world-size N -
 ``device_ids``. What works is fairseq's explicit form, one process per rank:
 ``--distributed-init-method tcp://HOST:PORT --distributed-world-size N --distributed-rank R
 --distributed-no-spawn --distributed-backend gloo --ddp-backend legacy_ddp --cpu``. This launcher
-starts the N processes with those flags (a free loopback port) and polls them: when a rank exits
+starts the N processes with those flags (a free loopback port), each running fairseq-train's
+``cli_main`` through ``linattn_tools.ddp_rank`` (which leaves the gloo group before the interpreter
+ends), and polls them: when a rank exits
 non-zero or is killed by a signal, the other ranks are stopped (SIGTERM, then SIGKILL after a grace
 period) and the launcher exits non-zero (the rank's status, 128 + N for signal N) with a line on
 stderr naming the rank; Ctrl-C stops every rank.
@@ -20,9 +22,9 @@ fairseq's own launch (``--distributed-world-size`` or ``torchrun ... fairseq-tra
 tests and CPU-only machines.
 """
 import argparse
+import importlib.util
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds the other ranks get to exit after SIGTERM before SIGKILL (default 5)")
     parser.add_argument("--train-command", default=None,
-                        help="program run per rank instead of this environment's fairseq-train (split like a "
-                             "shell line, e.g. 'python my_train.py'); it gets the same arguments")
+                        help="program run per rank instead of fairseq-train (python -m linattn_tools.ddp_rank), "
+                             "split like a shell line, e.g. 'python my_train.py'; it gets the same arguments")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by fairseq-train arguments")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -167,10 +169,9 @@ def main(argv=None) -> int:
         if not executable:
             parser.error("--train-command is empty")
     else:
-        executable = (shutil.which("fairseq-train", path=os.path.dirname(sys.executable))
-                      or shutil.which("fairseq-train"))
-        if executable is None:
-            parser.error("fairseq-train is not on PATH (is fairseq installed in this environment?)")
+        if importlib.util.find_spec("fairseq_cli") is None:
+            parser.error(f"fairseq is not installed for {sys.executable} (fairseq_cli is not importable)")
+        executable = [sys.executable, "-m", "linattn_tools.ddp_rank"]
     env = keeping_freed_memory({**os.environ, "OMP_NUM_THREADS": str(args.threads),
                                 "MKL_NUM_THREADS": str(args.threads)})
     port = free_port()

@@ -147,6 +147,7 @@ import json, os, sys
 from fairseq_cli.train import cli_main  # first, as under fairseq-train: its logging set-up
 import torch.distributed as dist
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from linattn_tools.ddp_rank import run
 
 match = MomentMatcher._match
 
@@ -159,7 +160,7 @@ def recording_match(self, var, like):
     return result
 
 MomentMatcher._match = recording_match
-sys.exit(cli_main())
+sys.exit(run(cli_main))
 """
 
 

@@ -268,3 +268,39 @@ def test_ranks_run_with_glibc_keeping_freed_memory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.env").read_text() == f"{2 ** 40} 4096"
+
+
+def test_by_default_each_rank_runs_fairseq_train_through_ddp_rank(monkeypatch):
+    launched = []
+    monkeypatch.setattr(cpu_ddp, "launch", lambda commands, env, grace: launched.extend(commands) or 0)
+    assert cpu_ddp.main(["--nproc", "2", "--", "DATA", "--task", "x"]) == 0
+    assert [cmd[:3] for cmd in launched] == [[sys.executable, "-m", "linattn_tools.ddp_rank"]] * 2
+    assert [cmd[cmd.index("--distributed-rank") + 1] for cmd in launched] == ["0", "1"]
+
+
+def test_a_rank_leaves_its_gloo_group_once_training_returns_and_not_after_an_error(tmp_path):
+    """ddp_rank.run destroys the default group after cli_main returns (gloo's threads otherwise meet interpreter
+    finalisation: SIGABRT now and then), and keeps it when cli_main raises (a peer may wait in a collective)."""
+    proc = subprocess.run(python(f"""
+        import torch, torch.distributed as dist
+        from linattn_tools.ddp_rank import run
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+        def train():
+            dist.all_reduce(torch.ones(3))
+            return 7
+
+        def fail():
+            raise RuntimeError("diverged")
+
+        assert run(train) == 7
+        print("after return", dist.is_initialized())
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store2'}", rank=0, world_size=1)
+        try:
+            run(fail)
+        except RuntimeError:
+            print("after error", dist.is_initialized())
+        dist.destroy_process_group()
+    """), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["after return False", "after error True"]

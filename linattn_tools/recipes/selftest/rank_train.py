@@ -8,6 +8,8 @@ import sys
 
 from fairseq_cli.train import cli_main  # first, as under fairseq-train: its logging set-up
 
+from linattn_tools.ddp_rank import run
+
 
 def every_rank_saves() -> None:
     """Idempotent: every rank saves, under its own file names."""
@@ -23,4 +25,4 @@ def every_rank_saves() -> None:
 
 if __name__ == "__main__":
     every_rank_saves()
-    sys.exit(cli_main())
+    sys.exit(run(cli_main))
