@@ -66,28 +66,65 @@ def sliced_layout(*tensors: torch.Tensor):
     return tuple(out)
 
 
-LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),), "sliced": sliced_layout}
+def packed_layout(*tensors: torch.Tensor, slot: int = 1):
+    """(B,H,T,X) tensors each in ``slot`` of three side by side in each head, (T,B,H,3X) memory, as the module's packed
+    projection lays out q, k and v (head stride 3X; the other slots hold other numbers)."""
+    out = []
+    for t in tensors:
+        b, h, n, x = t.shape
+        wide = torch.full((n, b, h, 3 * x), 7.0, dtype=t.dtype)
+        wide[..., slot * x:(slot + 1) * x] = t.permute(2, 0, 1, 3)
+        out.append(wide[..., slot * x:(slot + 1) * x].permute(1, 2, 0, 3))
+    return tuple(out)
 
 
-def check_fused_layouts(run, leaves, grad, layouts) -> None:
+def siblings_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k (B,H,T,D) and v (B,H,T,Dv) as views of one (T,B,H,2D+Dv) tensor, each head's q, k, v side by side: the
+    module's packed projection (``fairseq_linattn.modules.base``, ``linattn.ops.packed_heads``)."""
+    d = q.shape[-1]
+    packed = torch.cat([t.permute(2, 0, 1, 3) for t in (q, k, v)], -1)
+    return tuple(packed[..., a:b].permute(1, 2, 0, 3) for a, b in ((0, d), (d, 2 * d), (2 * d, packed.shape[-1])))
+
+
+LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),), "sliced": sliced_layout,
+           "packed": packed_layout}
+
+
+def check_fused_layouts(run, leaves, grad, layouts, packed_grads: bool = True) -> None:
     """``run(q, k, v)`` of a fused op with q, k, v and dL/d(out) laid out as ``layouts`` (names of ``LAYOUTS``, in that
     order) gives the output and gradients of contiguous ``leaves`` (q, k, v) and ``grad``, bit for bit; the output and
     every gradient come in q's layout where the kernels read q in place (fairseq's or contiguous: then the module's
-    head merge and the projections' backward copy nothing), contiguous otherwise (sliced)."""
+    head merge and the projections' backward copy nothing), contiguous otherwise (sliced), fairseq's own where q is
+    packed alone; for ``siblings`` (q, k, v packed as the module's projection packs them: read in place) the output in
+    fairseq's own layout and dq, dk, dv views of one tensor, laid out as q, k, v are (unless not ``packed_grads``:
+    Skyformer's landmarks, rows of q and k, add their gradients to dq and dk outside the op)."""
     out = run(*leaves)
     want = torch.autograd.grad(out, leaves, grad)
-    moved = [LAYOUTS[name](t.detach())[0].requires_grad_() for name, t in zip(layouts, leaves)]
+    if layouts[0] == "siblings":
+        moved = [t.requires_grad_() for t in siblings_layout(*(t.detach() for t in leaves))]
+    else:
+        moved = [LAYOUTS[name](t.detach())[0].requires_grad_() for name, t in zip(layouts, leaves)]
     got_out = run(*moved)
     got = torch.autograd.grad(got_out, moved, LAYOUTS[layouts[3]](grad)[0])
     assert torch.equal(got_out, out) and all(torch.equal(a, b) for a, b in zip(got, want))
-    kind = LAYOUTS["contiguous" if layouts[0] == "sliced" else layouts[0]]
-    for answer, like in zip((got_out, *got), (out, *leaves)):
+    kind = LAYOUTS[{"sliced": "contiguous", "packed": "fairseq", "siblings": "fairseq"}.get(layouts[0], layouts[0])]
+    assert got_out.stride() == kind(out.detach())[0].stride(), layouts
+    if layouts[0] == "siblings" and packed_grads:  # dq, dk, dv: views of one tensor laid out as q, k, v are
+        assert [g.stride() for g in got] == [t.stride() for t in moved], layouts
+        assert len({g.untyped_storage().data_ptr() for g in got}) == 1
+        assert [g.storage_offset() for g in got] == [t.storage_offset() for t in moved]
+        return
+    if layouts[0] == "siblings":
+        return
+    for answer, like in zip(got, leaves):
         assert answer.stride() == kind(like.detach())[0].stride(), layouts
 
 
 # q, k, v and dL/d(out): all in fairseq's layout, and mixes that tell one tensor's strides from another's
+# (the module's packed q, k, v; each packed apart from the others, copied to fairseq's own)
 LAYOUT_CASES = [("fairseq",) * 4, ("fairseq", "contiguous", "fairseq", "sliced"),
-                ("sliced", "fairseq", "contiguous", "fairseq")]
+                ("sliced", "fairseq", "contiguous", "fairseq"), ("siblings",) * 3 + ("fairseq",),
+                ("packed", "fairseq", "packed", "packed")]
 
 
 def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e-9) -> None:

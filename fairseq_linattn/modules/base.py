@@ -14,9 +14,11 @@ from typing import Dict, Optional, Tuple
 import torch
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
+from linattn.ops.packed_heads import split_heads
 
 from . import compile_check
 from .registry import ATTENTION_CLASSES
@@ -56,6 +58,7 @@ class AttentionBase(nn.Module):
         self.k_proj = nn.Linear(kdim, embed_dim, bias=bias)
         self.v_proj = nn.Linear(vdim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.packs_projections = kdim == vdim == embed_dim  # self-attention's q, k, v in one matmul (_packed_heads)
         # fairseq MultiheadAttention's initialisation
         gain = 1 / math.sqrt(2) if kdim == vdim == embed_dim else 1.0
         for proj in (self.q_proj, self.k_proj, self.v_proj):
@@ -86,6 +89,10 @@ class AttentionBase(nn.Module):
         value = key if value is None else value
         t, b, _ = query.shape
         attn_mask = self._accepted_attn_mask(attn_mask, t, key.shape[0], incremental_state is not None)
+        if incremental_state is None and key is query and value is query and self.packs_projections:
+            q, k, v = self._packed_heads(query)
+            out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, attn_mask)
+            return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
         q = self._heads(self.q_proj(query))
         k = None
         if incremental_state is not None and static_kv and self.caches_source:
@@ -107,9 +114,30 @@ class AttentionBase(nn.Module):
         else:
             k = self._heads(self.k_proj(key)) if self.uses_keys else None
             out = self._attend_call()(q, k, self._heads(self.v_proj(value)), key_padding_mask, attn_mask)
+        if incremental_state is not None:  # no weights while decoding
+            need_weights = need_head_weights = False
+        return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
+
+    def _packed_heads(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's q, k, v (B, H, T, D) from x (T, B, C) in one matmul: views of a (T, B, H, 3, D) tensor,
+        each head's q, k and v rows side by side (as Megatron-LM packs them), which the fused kernels read in place
+        (head stride 3D) and whose gradients they write into one such tensor (``linattn.ops.packed_heads``: else
+        stacked into one). The weights stay ``q_proj``, ``k_proj``, ``v_proj``."""
+        h, d = self.num_heads, self.head_dim
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.stack([p.weight.view(h, d, -1) for p in projs], 1).view(3 * self.embed_dim, -1)
+        bias = None if self.q_proj.bias is None else torch.stack([p.bias.view(h, d) for p in projs], 1).view(-1)
+        t, b, _ = x.shape
+        return split_heads(F.linear(x, weight, bias).view(t, b, h, 3, d))
+
+    def _merged(self, q: Tensor, k: Optional[Tensor], out: Tensor, key_padding_mask: Optional[Tensor],
+                attn_mask: Optional[Tensor], need_weights: bool, need_head_weights: bool
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        """The heads' outputs (B, H, T, D) merged and projected to (T, B, C), and the attention weights asked for."""
+        b, _, t, _ = out.shape
         out = out.permute(2, 0, 1, 3).reshape(t, b, self.embed_dim)
         weights = None
-        if (need_weights or need_head_weights) and incremental_state is None:
+        if need_weights or need_head_weights:
             weights = self.attention_weights(q, k, key_padding_mask, attn_mask)  # (B, H, T, S) if the method has them
             if weights is not None:  # fairseq's layout: (H, B, T, S) per head, else the mean over heads
                 weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)

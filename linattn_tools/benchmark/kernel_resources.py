@@ -55,10 +55,13 @@ HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_p
                  "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr")
 FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
 # Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
-# Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): a limit
-# the slow tier holds them to
-RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 312, "nystrom_rows_grad": 96, "lavo_memory_grad": 112,
-                        "lavo_memory_grad causal": 64, "lavo_local_grad": 32, "lavo_local_grad causal": 256}
+# Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): the
+# limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
+# (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
+# gradient's): its residues went from 112, 64, 32, 256 B to these (Triton 3.9; 3.6: 56 to 136 and 128, 144 to 136);
+# causal LLN's from 312 to 288 (3.6: 240 to 176)
+RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 288, "nystrom_rows_grad": 96, "lavo_memory_grad": 184,
+                        "lavo_memory_grad causal": 144, "lavo_local_grad": 96, "lavo_local_grad causal": 352}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -76,7 +79,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_causal._states, "lln_causal_states", dict(BC=64, **common)),
             (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, **common)),
             (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
-            (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, **common)),
+            (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, V_AT_QK=True, **common)),
             (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
             (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS)),
             (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),

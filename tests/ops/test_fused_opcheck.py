@@ -5,7 +5,7 @@ plan with the fake outputs' strides: a real output laid out otherwise (as LAVO's
 layout, its fake in fairseq's) breaks what a compiled graph assumes."""
 import pytest
 import torch
-from helpers import fairseq_layout, padding_mask
+from helpers import fairseq_layout, padding_mask, siblings_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linattn import ops
@@ -50,9 +50,11 @@ def run(method, causal, q, k, v, mask, gen):
 @pytest.mark.parametrize("method, causal", [("lln", False), ("lln", True), ("lln_diag", False), ("lln_diag", True),
                                             ("skyformer", False), ("lavo", False), ("lavo", True),
                                             ("token_moments", False)])
-def test_fused_ops_fake_outputs_match_the_kernels(gen, method, causal):
-    q, k, v = (t.requires_grad_() for t in fairseq_layout(*(torch.randn(2, 2, 13, 12, generator=gen).half()
-                                                            for _ in range(3))))
+@pytest.mark.parametrize("layout", ["fairseq", "siblings"])
+def test_fused_ops_fake_outputs_match_the_kernels(gen, method, causal, layout):
+    """siblings: q, k, v packed as the module packs them, whose gradients the backward ops return packed."""
+    qkv = [torch.randn(2, 2, 13, 12, generator=gen).half() for _ in range(3)]
+    q, k, v = (t.requires_grad_() for t in (fairseq_layout(*qkv) if layout == "fairseq" else siblings_layout(*qkv)))
     mask = None if causal else padding_mask(2, 13, "left", gen)
     with CustomOpCalls() as seen:
         run(method, causal, q, k, v, mask, gen)

@@ -9,8 +9,19 @@ pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the in
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from helpers import fairseq_layout, packed_layout, siblings_layout  # noqa: E402
 
-from linattn.ops.triton.common import launch, wide_dot  # noqa: E402
+from linattn.ops.triton.common import (  # noqa: E402
+    each_in_layout,
+    grads_of,
+    head_stride,
+    inputs_in_layout,
+    launch,
+    new_grads,
+    op_grads,
+    packed_siblings,
+    wide_dot,
+)
 
 
 @triton.jit
@@ -64,3 +75,39 @@ def test_launch_takes_the_wide_block_settings_where_d_or_dv_needs_a_block_of_128
         assert launch("lln_causal_grads", d, dv) == {**base, "num_warps": 2 * base["num_warps"]}, (d, dv)
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_grads": {"num_warps": 1}}))
     assert launch("lln_causal_grads", 128)["num_warps"] == 1
+
+
+@pytest.mark.parametrize("b, h, n", [(2, 3, 5), (1, 3, 5), (2, 1, 5), (1, 1, 5), (2, 3, 1)])
+def test_head_stride_tells_fairseqs_own_and_packed_layouts_from_the_others(b, h, n):
+    x = torch.randn(b, h, n, 4)
+    assert head_stride(fairseq_layout(x)[0]) == 4
+    assert head_stride(packed_layout(x)[0]) == 12
+    if n > 1 and b * h > 1:  # a contiguous tensor of one row, or of one head, is also fairseq's
+        assert head_stride(x) is None
+        assert head_stride(x.transpose(0, 1)) is None
+
+
+def test_packed_siblings_are_read_in_place_and_their_gradients_go_into_one_tensor_laid_out_alike():
+    """The module's q, k, v (views of one (N,B,H,3D) tensor) reach the kernels themselves (no copy) at X = 3D, and
+    the backward's dq, dk, dv are views of one new such tensor; q, k, v packed apart (not siblings) are copied to
+    fairseq's own layout, their gradients in it; a gradient of the output is read in its own layout."""
+    q, k, v = siblings_layout(*torch.randn(3, 2, 3, 5, 4).unbind(0))
+    assert packed_siblings(q, k, v) and not packed_siblings(k, q, v) and not packed_siblings(q, k, k)
+    grad = packed_layout(torch.randn(2, 3, 5, 4))[0]
+    fairseq, sqk, sv, got = inputs_in_layout(q, k, v, grad)
+    assert fairseq and (sqk, sv) == (12, 12) and all(a is b for a, b in zip(got[:3], (q, k, v)))
+    assert head_stride(got[3]) == 4 and torch.equal(got[3], grad)
+    *grads, packed = new_grads(q, k, v)
+    assert [g.stride() for g in grads] == [t.stride() for t in (q, k, v)] and packed.shape == (2, 3, 5, 12)
+    assert [g.data_ptr() - packed.data_ptr() for g in grads] == [0, 16, 32]
+    returned = op_grads(*grads, packed)
+    assert [t.numel() for t in returned[:3]] == [0, 0, 0] and returned[3] is packed
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(grads_of(*returned, 4), grads))
+    apart = packed_layout(*(t.contiguous() for t in (q, k, v)))
+    fairseq, sqk, sv, got = inputs_in_layout(*apart)
+    assert (sqk, sv) == (4, 4) and all(head_stride(t) == 4 and torch.equal(t, a) for t, a in zip(got, apart))
+    *grads, stand_in = new_grads(*apart)
+    assert all(head_stride(g) == 4 for g in grads) and stand_in.shape == (0,)
+    assert grads_of(*op_grads(*grads, stand_in), 4) == tuple(grads)
+    fairseq, strides, got = each_in_layout(q, fairseq_layout(k)[0], grad)
+    assert strides == (12, 4, 12) and got[0] is q and got[2] is grad

@@ -39,5 +39,8 @@ def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
     """dq, dk, dv (B,H,N,·) in q's dtype of ``scale`` * block softmax (probabilities recomputed), plus ``add_to``
     (another part's dq, dk, dv, as LLN's in LLN+Diag) if given, added in fp32 in the kernel."""
     from ..triton.block_softmax import block_softmax_backward
-    return block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.order, x.block, x.causal, float(scale),
-                                  *(add_to or (None, None, None)))
+    from ..triton.common import grads_of
+
+    grads = block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.order, x.block, x.causal, float(scale),
+                                   *(add_to or (None, None, None)))
+    return grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v

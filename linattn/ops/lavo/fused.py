@@ -48,6 +48,9 @@ def forward(x: LavoInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor, Tensor]]:
 
 def backward(x: LavoInputs, saved: Tuple[Tensor, Tensor, Tensor], grad: Tensor) -> LavoInputs:
     """dq, dk, dv, dbases in their inputs' dtype and dP (H,2w-1) fp32."""
+    from ..triton.common import grads_of
     from ..triton.lavo_backward import lavo_backward
-    dq, dk, dv, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, grad, *saved, x.causal)
+
+    *grads, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, grad, *saved, x.causal)
+    dq, dk, dv = grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
     return LavoInputs(q=dq, k=dk, v=dv, bases=dbases, bias=dbias)

@@ -4,6 +4,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def per_head(x: Tensor, weights: Tensor) -> Tensor:
+    """x (B,H,M,K) @ weights (H,K,J) per head -> (B,H,M,J) in x's dtype, multiplied in float64: a batched product's
+    summation order changes with the batch (an einsum over "bhmk,hkj" multiplies (H, B*M, K) matrices), and in
+    float64 that reaches no float32 rounding, so a sequence's numbers do not depend on the others in its batch."""
+    return (x.double() @ weights.double()).to(x.dtype)
+
+
 def memory_readout(qb: Tensor, mean: Tensor, bases: Tensor, scale: float, out_scale: float = 1.0) -> Tensor:
     """softmax(q Xtil^T * scale) Xtil * out_scale with Xtil_i = mean_i * B_i (LAVO eq. 4), never forming Xtil.
 
@@ -21,7 +28,7 @@ def memory_mean(win: Tensor, bases: Tensor, tokw: Tensor, causal: bool):
 
     causal: per window over the windows before it, mean (B,H,nw,r), coef (B,nw); else mean (B,H,r), coef (B,).
     """
-    wsum = torch.einsum("bhmd,hrd->bhmr", win, bases)
+    wsum = per_head(win, bases.mT)
     cnt = tokw.sum(2)  # (B,nw)
     if causal:
         mem = F.pad(wsum.cumsum(2), (0, 0, 1, 0))[:, :, :-1]  # windows < m
@@ -41,7 +48,7 @@ def memory_mean_grad(dmean: Tensor, win: Tensor, bases: Tensor, dbases: Tensor, 
         # window m's sum enters the memory of every later window: a reverse exclusive cumulative sum
         dws = F.pad(dmem.flip(2).cumsum(2).flip(2), (0, 0, 0, 1))[:, :, 1:]
         dbases += torch.einsum("bhmr,bhmd->hrd", dws, win)
-        return torch.einsum("bhmr,hrd->bhmd", dws, bases)
+        return per_head(dws, bases)
     dws = dmean / cnt.sum(1).clamp_min(1)[:, None, None]
     dbases += torch.einsum("bhr,bhd->hrd", dws, win.sum(2))
-    return torch.einsum("bhr,hrd->bhd", dws, bases)
+    return per_head(dws[:, :, None], bases)[:, :, 0]

@@ -50,16 +50,20 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
     """dq, dk, dv (in the inputs' half dtype, computed in fp32) of ``scale`` * LLN from ``forward``'s ``saved`` and
     dL/d(out) (B,H,N,Dv), in the backward kernels (``triton/lln_causal_backward.py``,
     ``triton/lln_noncausal_backward.py``)."""
+    from ..triton.common import grads_of
+
     alpha, beta = _per_head(x)
     out, *state = saved
     if not x.causal:
         from ..triton.lln_noncausal_backward import lln_noncausal_backward
         m, s, den = state
-        return lln_noncausal_backward(x.q, x.k, x.v, grad, out, alpha, beta, m, s, den, x.mask, float(scale))
-    from ..triton.lln_causal_backward import lln_causal_backward
-    m_incl, m_prev, g, rho, lse, s, den = state
-    return lln_causal_backward(x.q, x.k, x.v, grad, out, den, alpha, beta, x.mask, m_prev, m_incl, g, rho, lse, s,
-                               float(scale))
+        grads = lln_noncausal_backward(x.q, x.k, x.v, grad, out, alpha, beta, m, s, den, x.mask, float(scale))
+    else:
+        from ..triton.lln_causal_backward import lln_causal_backward
+        m_incl, m_prev, g, rho, lse, s, den = state
+        grads = lln_causal_backward(x.q, x.k, x.v, grad, out, den, alpha, beta, x.mask, m_prev, m_incl, g, rho, lse,
+                                    s, float(scale))
+    return grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
 
 
 def _per_head(x: LLNInputs) -> Tuple[Tensor, Tensor]:

@@ -47,7 +47,9 @@ def forward(x: NystromInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
 
 def backward(x: NystromInputs, saved: Tuple[Tensor, Tensor], grad: Tensor) -> NystromInputs:
     """dq, dk, dv in the inputs' dtype, dL/dL (B,H,d,D) and dL/dM^-1 (B,H,d,d) fp32."""
+    from ..triton.common import grads_of
     from ..triton.nystrom_backward import nystrom_apply_backward
-    dq, dk, dv, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, x.m_inv, x.used_cols, x.pad,
-                                                      *saved)
+
+    *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, x.m_inv, x.used_cols, x.pad, *saved)
+    dq, dk, dv = grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
     return NystromInputs(v=dv, land=dland, m_inv=dm_inv, q=dq, k=dk)

@@ -25,22 +25,24 @@ from .common import (
     block_rows,
     emulate_half_dot,
     half_dot,
-    in_first_layout,
     in_layout,
+    inputs_in_layout,
     launch,
+    new_grads,
     new_rows,
+    op_grads,
     tile_at,
     wide_dot,
 )
 
 
 @triton.jit
-def _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D, BS, sm_scale,
+def _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, blk, pid, H, N, D, SQK, BS, sm_scale,
            BB: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
            HAS_MASK: tl.constexpr):
     """The block's rows (BB,), which are inside the sequence, q and k (BB, BD) (fp32 from half) and P (BB, BB).
     With a mask the block is one of the row's real-first order (``order``, (B,N) int32): its rows are read through
-    the order, and a key is visible where the mask says it is real."""
+    the order, and a key is visible where the mask says it is real. q and k at head stride SQK (``common.tile_at``)."""
     d = tl.arange(0, BD)
     i, rows, ok, key_ok = block_rows(mask_ptr, blk, pid, H, N, BS, BB, False)
     if HAS_MASK:
@@ -48,8 +50,8 @@ def _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, blk, pi
         rows = tl.load(order_ptr + row0 + rows, mask=ok, other=0)
         key_ok = ok & (tl.load(mask_ptr + row0 + rows, mask=ok, other=1) == 0)
     inside = ok[:, None] & (d[None, :] < D)
-    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
-    kk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=inside, other=0.0)
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=inside, other=0.0)
+    kk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=inside, other=0.0)
     visible = key_ok[None, :] & ok[:, None]
     if CAUSAL:
         visible = visible & (i[None, :] <= i[:, None])
@@ -61,19 +63,19 @@ def _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, blk, pi
 
 
 @triton.jit
-def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, BS,
+def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, avg_ptr, out_ptr, BH, H, N, D, DV, SQK, SV, BS,
              sm_scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
              EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, AVERAGE: tl.constexpr,
              FAIRSEQ: tl.constexpr):
-    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); every tensor in fairseq's layout (FAIRSEQ) or
-    contiguous (``common.tile_at``)."""
+    """One block of one head: out (BS, DV) = P v, or 0.5 (avg + P v); every tensor in fairseq's layout (FAIRSEQ; q,
+    k, v at head strides SQK, SV) or contiguous (``common.tile_at``)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale, BB,
-                               BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
+    rows, ok, _, _, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, SQK, BS, sm_scale,
+                               BB, BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
-    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
+    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=inside, other=0.0)
     o = half_dot(p, vv, HALF_TY, EMULATE)
     if AVERAGE:
         o = 0.5 * (tl.load(avg_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0) + o)
@@ -82,25 +84,26 @@ def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, avg_ptr, out_ptr, BH, H, 
 
 @triton.jit
 def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, order_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, BH,
-              H, N, D, DV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              H, N, D, DV, SQK, SV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
               HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
               ADD: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One block of one head: dq, dk (BS, D), dv (BS, DV) of ``scale`` x block softmax, computed in fp32, plus (ADD)
-    aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ) or contiguous."""
+    aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ; q, k, their gradients and
+    addends at X = SQK, v's at SV: ``common.inputs_in_layout``) or contiguous; grad at DV."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, BS, sm_scale,
-                                 BB, BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
+    rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, SQK, BS,
+                                 sm_scale, BB, BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
-    at_v = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
+    at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)  # v, dv and its addend
     vv = tl.load(v_ptr + at_v, mask=inside, other=0.0)
     gg = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
     dp = half_dot(gg, tl.trans(vv), HALF_TY, EMULATE)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * (sm_scale * scale)
     inside_d = ok[:, None] & (d[None, :] < D)
-    at = tile_at(pid, rows, d, N, D, BH, FAIRSEQ)  # q, k, their gradients and addends: one layout
+    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k, their gradients and addends: one layout
     dq = wide_dot(ds, kk, WIDE)
     dk = wide_dot(tl.trans(ds), qq, WIDE)
     dv = half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale
@@ -122,11 +125,12 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], order
     b, h, n, d = q.shape
     dv = v.shape[-1]
     out = new_rows(q, dv, q.dtype)
-    fairseq, (q, k, v) = in_first_layout(q, k, v)
+    fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8, order = _mask_and_order(mask, order, k)
     avg = out if average_with is None else in_layout(average_with, fairseq)
     _forward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, mask_u8, order, avg, out, b * h, h, n, d, dv, block_size, 1 / math.sqrt(d), BB=block(block_size),
+        q, k, v, mask_u8, order, avg, out, b * h, h, n, d, dv, sqk, sv, block_size, 1 / math.sqrt(d),
+        BB=block(block_size),
         BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
         HAS_MASK=mask is not None, FAIRSEQ=fairseq,
         AVERAGE=average_with is not None, **launch("block_softmax", d))
@@ -142,28 +146,28 @@ def _(q, k, v, mask, order, block_size, causal, average_with):
 def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor],
                            order: Optional[Tensor], block_size: int, causal: bool, scale: float,
                            add_q: Optional[Tensor], add_k: Optional[Tensor],
-                           add_v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                           add_v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (B,H,N,D), dv (B,H,N,Dv) of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype), plus
     add_q, add_k, add_v (another part's gradients, or all None) added in fp32; in q's dtype and the layouts of q, k,
-    v (``common.new_rows``)."""
+    v, as ``common.op_grads``."""
     b, h, n, d = q.shape
     dv_dim = v.shape[-1]
-    dq, dk, dv = _empty_grads(q, k, v)
-    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
+    dq, dk, dv, packed = new_grads(q, k, v)
+    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))
     mask_u8, order = _mask_and_order(mask, order, k)
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
     _backward[(triton.cdiv(n, block_size), b * h)](
-        q, k, v, grad, mask_u8, order, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, block_size, 1 / math.sqrt(d),
-        float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
+        q, k, v, grad, mask_u8, order, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, sqk, sv, block_size,
+        1 / math.sqrt(d), float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
         EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add, FAIRSEQ=fairseq,
         **launch("block_softmax_backward", d))
-    return dq, dk, dv
+    return op_grads(dq, dk, dv, packed)
 
 
 @block_softmax_backward.register_fake
 def _(q, k, v, grad, mask, order, block_size, causal, scale, add_q, add_k, add_v):
-    return _empty_grads(q, k, v)
+    return op_grads(*new_grads(q, k, v))
 
 
 def _mask_and_order(mask: Optional[Tensor], order: Optional[Tensor], stand_in: Tensor) -> Tuple[Tensor, Tensor]:
@@ -173,11 +177,6 @@ def _mask_and_order(mask: Optional[Tensor], order: Optional[Tensor], stand_in: T
     if order is None:
         raise ValueError("block_softmax: a key padding mask needs its real-first order (real_tokens.real_first_order)")
     return mask.to(torch.uint8).contiguous(), order.contiguous()
-
-
-def _empty_grads(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv in q's dtype, with the rows of q, k, v in q's layout (the kernel's)."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
 
 
 def _strided_as(addend: Tensor, out: Tensor) -> Tensor:

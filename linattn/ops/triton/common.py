@@ -77,26 +77,96 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     return settings
 
 
+def head_stride(x: torch.Tensor) -> Optional[int]:
+    """The head stride S >= X with which x (B,H,N,X) lies in fairseq's layout: (N,B,H,S) memory whose heads hold x
+    in their first X columns (heads S apart, rows B*H*S apart). S = X: fairseq's own head split; S > X: one of
+    tensors side by side in each head, as the module's packed projection gives q, k and v (S = 2D + Dv). None if x
+    does not lie so."""
+    b, h, n, c = x.shape
+    if h > 1:
+        s = x.stride(1)
+    elif b > 1:
+        s = x.stride(0)
+    elif n > 1:
+        s = x.stride(2) // b
+    else:
+        s = c
+    return s if s >= c and _strided(x, (h * s, s, b * h * s, 1)) else None
+
+
 def fairseq_layout(x: torch.Tensor) -> bool:
-    """Whether x (B,H,N,X) is in fairseq's layout: (N,B,H,X) memory viewed (B,H,N,X), as the module's head split
-    gives q, k and v (heads X apart, rows B*H*X apart)."""
-    b, h, _, c = x.shape
-    return _strided(x, (h * c, c, b * h * c, 1))
+    """Whether x (B,H,N,X) is in fairseq's layout, its own (heads X apart) or packed (``head_stride``)."""
+    return head_stride(x) is not None
 
 
 def in_layout(x: torch.Tensor, fairseq: bool) -> torch.Tensor:
-    """x (B,H,N,X) in fairseq's layout (``fairseq``) or contiguous, as the kernels read it (``tile_at``): itself where
-    it is so, else a copy."""
+    """x (B,H,N,X) in fairseq's own layout (``fairseq``) or contiguous, as the kernels read it (``tile_at`` with X):
+    itself where it is so, else a copy."""
     if fairseq:
-        return x if fairseq_layout(x) else x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        return x if head_stride(x) == x.shape[-1] else x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     return x.contiguous()
 
 
-def in_first_layout(*tensors: torch.Tensor) -> Tuple[bool, Tuple[torch.Tensor, ...]]:
-    """Whether the first of ``tensors`` (each (B,H,N,X)) is in fairseq's layout, and all of them in its layout
-    (``in_layout``): what an op's kernels read, q's layout (no copy of q where it is fairseq's or contiguous)."""
-    fairseq = fairseq_layout(tensors[0])
-    return fairseq, tuple(in_layout(t, fairseq) for t in tensors)
+def each_in_layout(*tensors: torch.Tensor) -> Tuple[bool, Tuple[int, ...], Tuple[torch.Tensor, ...]]:
+    """(fairseq, X of each, tensors): each (B,H,N,X) tensor as the kernels read it (``tile_at`` with its X), in the
+    first's layout: fairseq's, in place at its head stride (packed too, ``head_stride``) or else copied to fairseq's
+    own, or contiguous (X: its width)."""
+    if fairseq_layout(tensors[0]):
+        tensors = tuple(t if fairseq_layout(t) else in_layout(t, True) for t in tensors)
+        return True, tuple(head_stride(t) for t in tensors), tensors
+    tensors = tuple(t.contiguous() for t in tensors)
+    return False, tuple(t.shape[-1] for t in tensors), tensors
+
+
+def packed_siblings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether q, k (B,H,N,D) and v (B,H,N,Dv) are the three parts of each head of one (N,B,H,2D+Dv) tensor, in
+    that order, as the module's packed projection gives them (``head_stride``)."""
+    d = q.shape[-1]
+    return (head_stride(q) == 2 * d + v.shape[-1] and k.shape == q.shape and v.shape[:3] == q.shape[:3]
+            and k.stride() == q.stride() == v.stride()
+            and k.storage_offset() == q.storage_offset() + d and v.storage_offset() == k.storage_offset() + d)
+
+
+def inputs_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor
+                     ) -> Tuple[bool, int, int, Tuple[torch.Tensor, ...]]:
+    """(fairseq, SQK, SV, (q, k, v, *rest)): q, k, v (B,H,N,D|Dv) as the kernels read them and write their gradients
+    (``new_grads``), at X = SQK for q and k, SV for v (``tile_at``): in place where they are packed siblings
+    (``packed_siblings``: SQK = SV = 2D+Dv), else in q's layout, fairseq's own or contiguous (``in_layout``: SQK =
+    D, SV = Dv); the ``rest`` likewise in their own."""
+    fairseq = fairseq_layout(q)
+    rest = tuple(in_layout(t, fairseq) for t in rest)
+    if packed_siblings(q, k, v):
+        return True, head_stride(q), head_stride(v), (q, k, v, *rest)
+    q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
+    return fairseq, q.shape[-1], v.shape[-1], (q, k, v, *rest)
+
+
+def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Empty dq, dk, dv laid out as ``inputs_in_layout`` lays out q, k, v, and the ``packed`` tensor they lie in:
+    for packed siblings, views of one new (B,H,N,2D+Dv) tensor in their layout; else each with the rows of its
+    input in q's layout (``new_rows``), ``packed`` a stand-in (0,). A backward op returns ``op_grads`` of them."""
+    if packed_siblings(q, k, v):
+        b, h, n, d = q.shape
+        packed = q.new_empty((n, b, h, 2 * d + v.shape[-1])).permute(1, 2, 0, 3)
+        return packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:], packed
+    return (*(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v)), q.new_empty(0))
+
+
+def op_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """What a backward op returns of ``new_grads`` (a custom op's outputs may not alias one another): (dq, dk, dv,
+    stand-in), or three stand-ins and ``packed``, which holds dq, dk, dv (``grads_of`` takes them apart)."""
+    if packed.dim() == 4:
+        return packed.new_empty(0), packed.new_empty(0), packed.new_empty(0), packed
+    return dq, dk, dv, packed
+
+
+def grads_of(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, packed: torch.Tensor,
+             d: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (head size d) from what a backward op returned (``op_grads``): views of ``packed`` where it holds
+    them."""
+    if packed.dim() == 4:
+        return packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:]
+    return dq, dk, dv
 
 
 def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
@@ -111,12 +181,23 @@ def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
 
 @triton.jit
 def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
-    """Offsets (rows, cols) of head ``pid``'s rows ``rows`` and columns ``cols`` (B*H order) in a (B,H,R,X) tensor
-    (``in_layout``): fairseq's (heads X apart, rows BH*X apart) or contiguous (heads R*X apart, rows X). Tensors of
-    one size share the offsets."""
+    """Offsets (rows, cols) of head ``pid``'s rows ``rows`` and columns ``cols`` (B*H order) in a (B,H,R,·) tensor
+    (``in_layout``): fairseq's (heads X apart, rows BH*X apart: X the head stride, ``head_stride``) or contiguous
+    (heads R*X apart, rows X). Tensors of one layout and X share the offsets."""
     if FAIRSEQ:
         return pid * X + rows[:, None] * (BH * X) + cols[None, :]
     return pid * R * X + rows[:, None] * X + cols[None, :]
+
+
+@triton.jit
+def tile_near(pid, rows, cols, R, X, X0, BH, FAIRSEQ: tl.constexpr):
+    """``tile_at`` with X, as the tile with X0 plus a shift per row: a kernel that reads rows at several head strides
+    (the module's packed q, k, v beside tensors at their own width) keeps one tile of offsets, not one per stride."""
+    if FAIRSEQ:
+        shift = (pid + rows * BH) * (X - X0)
+    else:
+        shift = (pid * R + rows) * (X - X0)
+    return tile_at(pid, rows, cols, R, X0, BH, FAIRSEQ) + shift[:, None]
 
 
 def _strided(x: torch.Tensor, strides: Tuple[int, ...]) -> bool:

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..lavo.memory import memory_mean
-from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
+from .common import HALF, block, emulate_half_dot, half_dot, inputs_in_layout, launch, new_rows, tile_at, wide_dot
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, CAUSAL: tl.c
 
 
 @triton.jit
-def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, N, NT, W, qw, lo, hi, D, scale,
+def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, N, NT, W, qw, lo, hi, D, SQK,
+                 scale,
                  BW: tl.constexpr,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
                  BY_KEY: tl.constexpr = False):
@@ -49,14 +50,14 @@ def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, p
     q (BW, BD) half, the keys' positions and real flags (NK,), k (NK, BD) half and p (BW, NK) fp32, the window
     softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
     allowed key; BY_KEY: p transposed, (NK, BW), a key a row (its scores k q^T: NK = 2 BW rows causal, which 8 warps
-    hold without replicating them, ``kernel_resources.replicated_dots``)."""
+    hold without replicating them, ``kernel_resources.replicated_dots``). q and k at head stride SQK (``tile_at``)."""
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
     t = qw * W + i
     q_in = (i < W) & (t < N)
-    q = tl.load(q_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=q_in[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=q_in[:, None] & (d[None, :] < D), other=0.0)
     pos, real = key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW, CAUSAL)
-    k = tl.load(k_ptr + tile_at(pid, pos, d, N, D, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+    k = tl.load(k_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     KEYS: tl.constexpr = 0 if BY_KEY else 1  # the axis of the keys
     if BY_KEY:
@@ -80,17 +81,18 @@ def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, p
 
 
 @triton.jit
-def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, xl_ptr, win_ptr, BH, H, N, NT, NW, W, D,
+def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, xl_ptr, win_ptr, BH, H, N, NT, NW, W, D, SQK,
            scale, BW: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
            CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr):
     """Window m of head ``pid``: F_local (BW, BD) stored fp32, and its sum over the window's real tokens; q, k, v
-    and F_local in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
+    (head stride SQK) and F_local in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
     t, q_in, _, pos, real, _, p = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ, pid, H, N, NT, W,
-                                               m, (m - 1) * W, m * W, D, scale, BW, BD, HALF_TY, EMULATE, CAUSAL)
-    v = tl.load(v_ptr + tile_at(pid, pos, d, N, D, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+                                               m, (m - 1) * W, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE,
+                                               CAUSAL)
+    v = tl.load(v_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     xl = half_dot(p, v, HALF_TY, EMULATE)
     tl.store(xl_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), xl, mask=q_in[:, None] & (d[None, :] < D))
@@ -118,12 +120,13 @@ def memory_probs(q, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constex
 
 
 @triton.jit
-def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, BH, H, N, NW, W, R, D, scale,
+def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, BH, H, N, NW, W, R, D, SQK, scale,
             BW: tl.constexpr,
             BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
             CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """Window m of head ``pid``: out = coef F_local + 0.5 (p ⊙ H) B (eq. 4) in q's dtype; coef = 0.5 with a
-    memory, 1 without (then H = 0); q, F_local and out in fairseq's layout (FAIRSEQ) or contiguous."""
+    memory, 1 without (then H = 0); q (head stride SQK), F_local and out in fairseq's layout (FAIRSEQ) or
+    contiguous."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     i = tl.arange(0, BW)
@@ -131,14 +134,14 @@ def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, BH, H, N, NW,
     r = tl.arange(0, BR)
     t = m * W + i
     rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
-    tile = tile_at(pid, t, d, N, D, BH, FAIRSEQ)  # q, F_local and out: one layout
-    q = tl.load(q_ptr + tile, mask=rows, other=0.0)
+    q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
     bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
     at = pid * NW + m if CAUSAL else pid  # the window's memory, or the sequence's
     mean = tl.load(mean_ptr + at * R + r, mask=r < R, other=0.0)
     coef = tl.load(coef_ptr + (pid // H) * NW + m) if CAUSAL else tl.load(coef_ptr + pid // H)
     _, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
     glob = wide_dot(p * (0.5 * mean)[None, :], bases.to(tl.float32), WIDE)
+    tile = tile_at(pid, t, d, N, D, BH, FAIRSEQ)  # F_local and out: one layout
     xl = tl.load(xl_ptr + tile, mask=rows, other=0.0)
     tl.store(out_ptr + tile, (coef * xl + glob).to(out_ptr.dtype.element_ty), mask=rows)
 
@@ -159,15 +162,16 @@ def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid
     nw = tok.shape[1] // w
     out = new_rows(q, d, q.dtype)
     xl = new_rows(q, d, torch.float32)  # F_local, in q's layout
-    fairseq, (q, k, v) = in_first_layout(q, k, v)
+    fairseq, sqk, _, (q, k, v) = inputs_in_layout(q, k, v)  # D = Dv: v at q's and k's head stride
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     win = q.new_empty((b, h, nw, d), dtype=torch.float32)
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
                  FAIRSEQ=fairseq)
-    _local[(nw, b * h)](q, k, v, pos_bias, valid, xl, win, b * h, h, n, valid.shape[1], nw, w, d, 1 / math.sqrt(d),
+    _local[(nw, b * h)](q, k, v, pos_bias, valid, xl, win, b * h, h, n, valid.shape[1], nw, w, d, sqk,
+                        1 / math.sqrt(d),
                         **sizes, **launch("lavo_local", d))
     mean, coef, _ = memory_mean(win, bases.float(), tok.view(b, nw, w), causal)
-    _memory[(nw, b * h)](q, bases, mean.contiguous(), coef.contiguous(), xl, out, b * h, h, n, nw, w, r, d,
+    _memory[(nw, b * h)](q, bases, mean.contiguous(), coef.contiguous(), xl, out, b * h, h, n, nw, w, r, d, sqk,
                          1 / math.sqrt(d), BR=block(r), **sizes, **launch("lavo_memory", d))
     return out, win, mean, coef
 

@@ -19,7 +19,19 @@ import triton.language as tl
 from torch import Tensor
 
 from ..lavo.memory import memory_mean_grad
-from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
+from .common import (
+    HALF,
+    block,
+    emulate_half_dot,
+    half_dot,
+    inputs_in_layout,
+    launch,
+    new_grads,
+    new_rows,
+    op_grads,
+    tile_at,
+    wide_dot,
+)
 from .lavo import load_bases, memory_probs, window_of, window_probs
 
 SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
@@ -27,10 +39,10 @@ SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
 
 @triton.jit
 def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_ptr, BH, H, N, NW, W, R,
-                 D, SPLIT, scale, BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr,
+                 D, SQK, SPLIT, scale, BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr,
                  EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One split of windows of one head: per window dL/dq of 0.5 F_global (fp32) and dL/dH (BR,); part (R, D) =
-    the split's share of dL/dB; q, grad and dL/dq in fairseq's layout (FAIRSEQ) or contiguous."""
+    the split's share of dL/dB; q (head stride SQK), grad and dL/dq in fairseq's layout (FAIRSEQ) or contiguous."""
     pid = tl.program_id(0)
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
@@ -42,9 +54,9 @@ def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_
     for m in range(first, tl.minimum(first + SPLIT, NW)):
         t = m * W + i
         rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
-        at = tile_at(pid, t, d, N, D, BH, FAIRSEQ)
-        q = tl.load(q_ptr + at, mask=rows, other=0.0)
-        g = tl.load(grad_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+        q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
+        at = tile_at(pid, t, d, N, D, BH, FAIRSEQ)  # grad and dL/dq: one layout
+        g = tl.load(grad_ptr + at, mask=rows, other=0.0)
         mean = tl.load(mean_ptr + (pid * NW + m if CAUSAL else pid) * R + r, mask=r < R, other=0.0)
         qb, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
         dwgt = 0.5 * half_dot(g, tl.trans(bases), HALF_TY, EMULATE)  # dL/d(p ⊙ H)
@@ -70,13 +82,14 @@ def _own_slots(x, BW: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dwin_ptr, dqg_ptr, dq_ptr, dk_ptr,
-                dv_ptr, dbias_ptr, BH, H, N, NT, NW, W, D, scale, BW: tl.constexpr,
+                dv_ptr, dbias_ptr, BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr,
                 BD: tl.constexpr,
                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
                 FAIRSEQ: tl.constexpr):
     """Window m of head ``pid``: dq of its queries (with F_global's share, dqg), the relative bias' share of its
     queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype. The softmax tiles are held a
-    key a row, (NK, BW). Every tensor of rows in fairseq's layout (FAIRSEQ) or contiguous."""
+    key a row, (NK, BW). Every tensor of rows in fairseq's layout (FAIRSEQ; q, k, v and their gradients at X = SQK:
+    ``common.inputs_in_layout``) or contiguous."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
@@ -88,9 +101,9 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
         if qw < NW:
             lo = (m - 1) * W if step == 0 else (m + 1) * W  # window m's previous window, or window m + 1 itself
             t, q_in, q, pos, real, k, pt = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ, pid, H, N,
-                                                        NT, W, qw, lo, m * W, D, scale, BW, BD, HALF_TY, EMULATE,
+                                                        NT, W, qw, lo, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE,
                                                         CAUSAL, True)
-            v = tl.load(v_ptr + tile_at(pid, pos, d, N, D, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+            v = tl.load(v_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                         other=0.0)
             rows = q_in[:, None] & (d[None, :] < D)
             g = tl.load(grad_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
@@ -102,10 +115,9 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
             dpt = coef * half_dot(v, tl.trans(g), HALF_TY, EMULATE) + vd[:, None] * tok[None, :]
             dst = pt * (dpt - tl.sum(dpt * pt, 0)[None, :])  # the window softmax's backward
             if step == 0:
-                at = tile_at(pid, t, d, N, D, BH, FAIRSEQ)
-                dq = tl.load(dqg_ptr + at, mask=rows, other=0.0) + wide_dot(tl.trans(dst), k.to(tl.float32),
-                                                                            WIDE) * scale
-                tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=rows)
+                dq = tl.load(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+                dq += wide_dot(tl.trans(dst), k.to(tl.float32), WIDE) * scale
+                tl.store(dq_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty), mask=rows)
                 # the bias P[o] gets ds[key at t_i + o - w + 1, i]: the slots of that key, gathered per query
                 o = tl.arange(0, 2 * BW)
                 key = t[None, :] + o[:, None] - W + 1
@@ -121,45 +133,41 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
     j = tl.arange(0, BW)
     pos = m * W + j
     keys = ((j < W) & (pos < N))[:, None] & (d[None, :] < D)
-    tl.store(dk_ptr + tile_at(pid, pos, d, N, D, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=keys)
-    tl.store(dv_ptr + tile_at(pid, pos, d, N, D, BH, FAIRSEQ), dv.to(dv_ptr.dtype.element_ty), mask=keys)
+    tl.store(dk_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=keys)
+    tl.store(dv_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), dv.to(dv_ptr.dtype.element_ty), mask=keys)
 
 
 @torch.library.custom_op("linattn::lavo_backward", mutates_args=())
 def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
                   grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
-                  causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv (B,H,N,D) and dbases (H,r,D) in the inputs' dtype, dpos_bias (H,2w-1) fp32, from dL/d(out)
-    ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef)."""
+                  causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (B,H,N,D) and their packed tensor (``common.op_grads``) and dbases (H,r,D) in the inputs' dtype,
+    dpos_bias (H,2w-1) fp32, from dL/d(out) ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef)."""
     b, h, n, d = q.shape
     w, r = window_of(pos_bias), bases.shape[1]
     nw = tok.shape[1] // w
-    dq, dk, dv = _empty(q, k, v)
+    dq, dk, dv, packed = new_grads(q, k, v)
     dqg = new_rows(q, d, torch.float32)  # dL/dq from F_global, in q's layout
-    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
+    fairseq, sqk, _, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))  # D = Dv: v at SQK too
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
                  FAIRSEQ=fairseq)
     dmean = q.new_empty((b, h, nw, r), dtype=torch.float32)
     splits = triton.cdiv(nw, SPLIT_WINDOWS)
     part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
-    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), dqg, dmean, part, b * h, h, n, nw, w, r, d,
+    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), dqg, dmean, part, b * h, h, n, nw, w, r, d, sqk,
                                   SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
                                   **launch("lavo_memory_grad", d))
     dbases = part.sum((0, 2))
     dwin = memory_mean_grad(dmean if causal else dmean.sum(2), win, bases.float(), dbases, tok.view(b, nw, w), causal)
     dbias = q.new_empty((b, h, nw, 2 * w - 1), dtype=torch.float32)
     _local_grad[(nw, b * h)](q, k, v, grad, pos_bias, valid, coef.contiguous(), dwin.contiguous(), dqg, dq, dk, dv,
-                             dbias, b * h, h, n, valid.shape[1], nw, w, d, 1 / math.sqrt(d), **sizes,
+                             dbias, b * h, h, n, valid.shape[1], nw, w, d, sqk, 1 / math.sqrt(d), **sizes,
                              **launch("lavo_local_grad", d))
-    return dq, dk, dv, dbases.to(bases.dtype), dbias.sum((0, 2))
+    return (*op_grads(dq, dk, dv, packed), dbases.to(bases.dtype), dbias.sum((0, 2)))
 
 
 @lavo_backward.register_fake
 def _(q, k, v, bases, pos_bias, valid, tok, grad, win, mean, coef, causal):
-    return (*_empty(q, k, v), torch.empty_like(bases), pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))
-
-
-def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels', ``common.new_rows``)."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
+    return (*op_grads(*new_grads(q, k, v)), torch.empty_like(bases),
+            pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))

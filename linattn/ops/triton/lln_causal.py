@@ -31,7 +31,7 @@ from .common import (
     block_rows,
     emulate_half_dot,
     half_dot,
-    in_first_layout,
+    inputs_in_layout,
     launch,
     load_state,
     new_rows,
@@ -42,7 +42,7 @@ from .lln_key_max import key_block_max
 
 
 @triton.jit
-def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D, DV, NC, C,
+def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D, DV, SQK, SV, NC, C,
             BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
             HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores the state before each chunk into
@@ -63,10 +63,10 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D
         _, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        bk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
+        bk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                      other=0.0).to(tl.float32) * beta
         fki = tl.exp(tl.where(key_ok[:, None] & dok[None, :], bk - mi[None, :], float("-inf")))  # phi_k to m_incl
-        vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
+        vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
         decay = tl.exp(tl.minimum(mp - mi, 0.0))  # <= 1; S is 0 where m_prev had no key yet
         s = s * decay[:, None] + half_dot(tl.trans(fki), vv, HALF_TY, EMULATE)
         z = z * decay + tl.sum(fki, 0)
@@ -74,11 +74,12 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D
 
 @triton.jit
 def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
-             den_ptr, BH, H, N, D, DV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
+             den_ptr, BH, H, N, D, DV, SQK, SV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
              WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
-    shifts g, rho, lse (C,). q, k, v and out in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
+    shifts g, rho, lse (C,). q, k, v (head strides SQK, SV) and out in fairseq's layout (FAIRSEQ) or contiguous
+    (``common.tile_at``)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -91,11 +92,11 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     s, z = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
     mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
     live = key_ok[:, None] & dok[None, :]
-    bk = tl.load(k_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
+    bk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                  other=0.0).to(tl.float32) * beta
     g = tl.maximum(tl.max(tl.where(live, bk - mp[None, :], float("-inf")), 1), 0.0)  # a key's excess, 0 if padded
     rho = tl.max(tl.where(i[None, :] <= i[:, None], g[None, :], 0.0), 1)  # the largest excess a query sees
-    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                  other=0.0).to(tl.float32)
     a = mp[None, :] + qq * alpha
     lse = tl.max(tl.where(dok[None, :], a, float("-inf")), 1)  # the query's own shift
@@ -107,7 +108,7 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     fq = tl.where(ok[:, None] & dok[None, :], tl.exp(a - lse[:, None]), 0.0)
     w = half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
     w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
-    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
+    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
     r = tl.exp(-rho)
     o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * wide_dot(fq, s, WIDE)
     den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
@@ -126,7 +127,7 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     b, h, n, d = q.shape
     nc = g.shape[2]
     dv = v.shape[-1]
-    fairseq, (q, k, v) = in_first_layout(q, k, v)
+    fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     top = key_block_max(k, beta, mask_u8, mask is not None, chunk).cummax(-1).values  # M_c, -inf before any key
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)
@@ -136,9 +137,9 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
                  FAIRSEQ=fairseq)
     walk = launch("lln_causal_states", d, dv)
     _states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv, walk["BV"]))](
-        k, v, beta, mask_u8, m_prev, m_incl, s, b * h, h, n, d, dv, nc, chunk, **sizes, **walk)
-    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, b * h, h, n, d, dv, nc,
-                          chunk, BD=block(d), BDV=block(dv), **sizes, **launch("lln_causal_outputs", d))
+        k, v, beta, mask_u8, m_prev, m_incl, s, b * h, h, n, d, dv, sqk, sv, nc, chunk, **sizes, **walk)
+    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, b * h, h, n, d, dv, sqk, sv,
+                          nc, chunk, BD=block(d), BDV=block(dv), **sizes, **launch("lln_causal_outputs", d))
     return out, s, den, m_prev, m_incl, g, rho, lse
 
 

@@ -27,10 +27,11 @@ from .common import (
     block_rows,
     emulate_half_dot,
     half_dot,
-    in_first_layout,
+    inputs_in_layout,
     launch,
     load_state,
-    new_rows,
+    new_grads,
+    op_grads,
     tile_at,
     wide_dot,
 )
@@ -50,7 +51,7 @@ def _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ: tl.constexpr, scale, p
 
 @triton.jit
 def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, BH, scale, N,
-                 D, DV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+                 D, DV, SQK, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
                  BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores G_c of every chunk into gs
     (NC, D, DV+1) (its ones column: the programs of l = 0), from the last chunk."""
@@ -74,7 +75,7 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
         lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
         rd = ok[:, None] & dok[None, :]
-        qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=rd, other=0.0).to(tl.float32)
+        qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=rd, other=0.0).to(tl.float32)
         fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
         gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV,
                                    BDV)  # goz: every column
@@ -91,11 +92,11 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
 @triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
            rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, dv_ptr, BH, scale, H, N,
-           D, DV, NC, C, BC: tl.constexpr,
+           D, DV, SQK, SV, NC, C, BC: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-           HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype (dq, dk,
-    dv in q's layout: fairseq's (FAIRSEQ) or contiguous)."""
+           HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, V_AT_QK: tl.constexpr):
+    """One chunk of one head: stores dq, dk (C, D) and dv (C, DV), computed in fp32, in the inputs' dtype (q, k, dq,
+    dk at X = SQK, v and dv at SV: fairseq's layout (FAIRSEQ) or contiguous, ``common.inputs_in_layout``)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -110,8 +111,11 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
     rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
     lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    at = tile_at(pid, rows, d, N, D, BH, FAIRSEQ)  # q, k, dq, dk: one layout
-    at_v = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
+    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k, dq, dk: one layout
+    if V_AT_QK:  # v's rows where q's and k's are (packed siblings, or D = Dv): one tile of offsets
+        at_v = at
+    else:
+        at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)
     rd = ok[:, None] & dok[None, :]
     re = ok[:, None] & eok[None, :]
     qq = tl.load(q_ptr + at, mask=rd, other=0.0).to(tl.float32)
@@ -119,8 +123,8 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     bk = tl.load(k_ptr + at, mask=rd, other=0.0).to(tl.float32) * beta
     live = key_ok[:, None] & dok[None, :]
     fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
-    vf = tl.load(v_ptr + at_v, mask=re, other=0.0).to(tl.float32)
     gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV, BDV)
+    vf = tl.load(v_ptr + at_v, mask=re, other=0.0).to(tl.float32)
     go = gr * rs[:, None]
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
@@ -147,36 +151,32 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
 @torch.library.custom_op("linattn::lln_causal_backward", mutates_args=())
 def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, den: Tensor, alpha: Tensor,
                         beta: Tensor, mask: Optional[Tensor], m_prev: Tensor, m_incl: Tensor, g: Tensor, rho: Tensor,
-                        lse: Tensor, s: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype (and layout: ``common.new_rows``) of ``scale`` x causal
+                        lse: Tensor, s: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype and layout (``common.op_grads``) of ``scale`` x causal
     LLN, from dL/d(out) ``grad`` and the state of ``lln_causal`` (out, den, s) and its shifts (as ``lln_causal``
     returns them)."""
-    dq, dk, dv = _empty(q, k, v)
+    dq, dk, dv, packed = new_grads(q, k, v)
     b, h, n, d = q.shape
     nc, c = g.shape[2:]
     dv_dim = v.shape[-1]
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
-    fairseq, (q, k, v, grad, out) = in_first_layout(q, k, v, grad, out)
+    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
     walk = launch("lln_causal_grad_states", d, dv_dim)
     _grad_states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv_dim, walk["BV"]))](
-        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, b * h, scale, n, d, dv_dim, nc, c, BC=block(c),
+        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, b * h, scale, n, d, dv_dim, sqk, nc, c, BC=block(c),
         BDV=block(dv_dim), FAIRSEQ=fairseq, **walk)
     _grads[(nc, b * h)](
         q, k, v, grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g.contiguous(), rho, lse, s.contiguous(), gs,
-        dq, dk, dv, b * h, scale, h, n, d, dv_dim, nc, c, BC=block(c), BD=block(d), BDV=block(dv_dim),
+        dq, dk, dv, b * h, scale, h, n, d, dv_dim, sqk, sv, nc, c, BC=block(c), BD=block(d), BDV=block(dv_dim),
         HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, FAIRSEQ=fairseq,
+        V_AT_QK=(sqk, d) == (sv, dv_dim),
         **launch("lln_causal_grads", d))
-    return dq, dk, dv
+    return op_grads(dq, dk, dv, packed)
 
 
 @lln_causal_backward.register_fake
 def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s, scale):
-    return _empty(q, k, v)
-
-
-def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels')."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
+    return op_grads(*new_grads(q, k, v))

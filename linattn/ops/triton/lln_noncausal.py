@@ -21,7 +21,7 @@ from .common import (
     block,
     emulate_half_dot,
     half_dot,
-    in_first_layout,
+    inputs_in_layout,
     launch,
     load_state,
     new_rows,
@@ -36,10 +36,12 @@ SPLIT_ROWS = 1024  # keys per program of ``_state``, queries per program of the 
 
 
 @triton.jit
-def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D, DV, BLOCK: tl.constexpr,
+def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D, DV, SQK, SV,
+           BLOCK: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
            FAIRSEQ: tl.constexpr):
-    """One split of one head: part (D, DV+1) = [S, z] over its SPLIT keys (LLN eq. 9), padded keys excluded."""
+    """One split of one head: part (D, DV+1) = [S, z] over its SPLIT keys (LLN eq. 9), padded keys excluded (k, v at
+    head strides SQK, SV: ``common.tile_at``)."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -55,10 +57,10 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D
         ok = rows < end
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
-        kk = tl.load(k_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
+        kk = tl.load(k_ptr + tile_at(pid, rows, d, S, SQK, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                      other=0.0).to(tl.float32)
         fk = tl.exp(tl.where(ok[:, None] & (d[None, :] < D), kk * beta - m[None, :], float("-inf")))  # padded: 0
-        vv = tl.load(v_ptr + tile_at(pid, rows, e, S, DV, BH, FAIRSEQ), mask=ok[:, None] & (e[None, :] < DV),
+        vv = tl.load(v_ptr + tile_at(pid, rows, e, S, SV, BH, FAIRSEQ), mask=ok[:, None] & (e[None, :] < DV),
                      other=0.0)
         s += half_dot(tl.trans(fk), vv, HALF_TY, EMULATE)
         z += tl.sum(fk, 0)
@@ -68,7 +70,7 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D
 
 
 @triton.jit
-def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, BLOCK: tl.constexpr,
+def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, SQK, BLOCK: tl.constexpr,
              BD: tl.constexpr,
              BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator)."""
@@ -79,7 +81,7 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, BLO
     alpha = tl.load(alpha_ptr + pid)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     ok = rows < N
-    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))  # the query absorbs the keys' shift
     fq = tl.exp(a - tl.max(a, 1)[:, None])
@@ -100,7 +102,7 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     out, s, den, m = _empty(q, v, averaged)
     b, h, n, d = q.shape
     dv = v.shape[-1]
-    fairseq, (q, k, v) = in_first_layout(q, k, v)
+    fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     length = k.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
@@ -108,12 +110,13 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m.view(b, h, d))
     splits = max(1, triton.cdiv(length, SPLIT_ROWS))
     part = s.new_empty((b, h, splits, d, dv + 1))  # each split's [S, z], summed below: deterministic, no atomics
-    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, BLOCK=ROWS,
+    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, sqk, sv, BLOCK=ROWS,
                             FAIRSEQ=fairseq,
                             BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, b * h, n, d, dv, BLOCK=ROWS, FAIRSEQ=fairseq,
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
+                                           FAIRSEQ=fairseq,
                                            BD=block(d), BDV=block(dv), **launch("lln_noncausal_readout", d))
     return out, s, den, m
 

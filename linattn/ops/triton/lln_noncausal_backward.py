@@ -17,18 +17,18 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, in_first_layout, launch, load_state, new_rows, tile_at, wide_dot
+from .common import block, inputs_in_layout, launch, load_state, new_grads, op_grads, tile_at, wide_dot
 
 
 @triton.jit
 def _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ: tl.constexpr, alpha, m, den_ptr, scale, pid, rows, N, D, DV,
-                 BD: tl.constexpr, BDV: tl.constexpr):
+                 SQK, BD: tl.constexpr, BDV: tl.constexpr):
     """phi_q (rows, D) and go = scale [grad, -grad·out] / den as (value columns, ones column) for a block of rows,
-    out as the forward stored it."""
+    out as the forward stored it (q at head stride SQK)."""
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     ok = rows < N
-    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & (d[None, :] < D),
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))
     fq = tl.where(ok[:, None], tl.exp(a - tl.max(a, 1)[:, None]), 0.0)
@@ -41,7 +41,7 @@ def _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ: tl.constexpr, alpha, m, 
 
 @triton.jit
 def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, BH, scale, N,
-                SPLIT, D, DV,
+                SPLIT, D, DV, SQK,
                 BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One split of one head: part (D, DV+1) = its SPLIT queries' share of dL/d[S, z], sum of phi_q^T go."""
     pid = tl.program_id(0)
@@ -55,7 +55,7 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, B
     end = tl.minimum(first + SPLIT, N)
     for start in range(first, end, BLOCK):
         fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ, alpha, m, den_ptr, scale, pid,
-                                   start + tl.arange(0, BLOCK), N, D, DV, BD, BDV)  # SPLIT: a multiple of BLOCK
+                                   start + tl.arange(0, BLOCK), N, D, DV, SQK, BD, BDV)  # SPLIT: a multiple of BLOCK
         dsv += wide_dot(tl.trans(fq), go, WIDE)
         dsz += tl.sum(fq * goz[:, None], 0)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * D * (DV + 1)  # part (B, H, splits, D, DV+1)
@@ -65,11 +65,12 @@ def _state_grad(q_ptr, grad_ptr, out_ptr, alpha_ptr, m_ptr, den_ptr, part_ptr, B
 
 @triton.jit
 def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_ptr, mask_ptr, s_ptr, den_ptr, ds_ptr,
-               dq_ptr, dk_ptr, dv_ptr, BH, scale, H, N, S, D, DV,
+               dq_ptr, dk_ptr, dv_ptr, BH, scale, H, N, S, D, DV, SQK, SV,
                BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
                FAIRSEQ: tl.constexpr):
     """One block of rows of one head: dq of its queries, dk and dv of its keys (computed in fp32, stored in
-    the inputs' dtype; every tensor of rows in fairseq's layout (FAIRSEQ) or contiguous)."""
+    the inputs' dtype; every tensor of rows in fairseq's layout (FAIRSEQ; q, k, dq, dk at X = SQK, v and dv at SV:
+    ``common.inputs_in_layout``) or contiguous)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
@@ -78,23 +79,23 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_pt
     sv, sz = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     alpha = tl.load(alpha_ptr + pid)
     fq, go, goz = _query_terms(q_ptr, grad_ptr, out_ptr, BH, FAIRSEQ, alpha, m, den_ptr, scale, pid, rows,
-                               N, D, DV, BD, BDV)
+                               N, D, DV, SQK, BD, BDV)
     dq = (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :]) * fq * alpha
-    tl.store(dq_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (d[None, :] < D))
     ok = rows < S
     if HAS_MASK:
         ok = ok & (tl.load(mask_ptr + (pid // H) * S + rows, mask=ok, other=1) == 0)
     live = ok[:, None] & (d[None, :] < D)
     beta = tl.load(beta_ptr + pid)
-    kk = tl.load(k_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), mask=live, other=0.0).to(tl.float32)
+    kk = tl.load(k_ptr + tile_at(pid, rows, d, S, SQK, BH, FAIRSEQ), mask=live, other=0.0).to(tl.float32)
     fk = tl.exp(tl.where(live, kk * beta - m[None, :], float("-inf")))  # padded keys: exp(-inf) = 0
     dsv, dsz = load_state(ds_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
-    at = tile_at(pid, rows, e, S, DV, BH, FAIRSEQ)
+    at = tile_at(pid, rows, e, S, SV, BH, FAIRSEQ)  # v and dv
     vv = tl.load(v_ptr + at, mask=ok[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
     dk = (wide_dot(vv, tl.trans(dsv), WIDE) + dsz[None, :]) * fk * beta
     inside = (rows[:, None] < S) & (d[None, :] < D)
-    tl.store(dk_ptr + tile_at(pid, rows, d, S, D, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=inside)
+    tl.store(dk_ptr + tile_at(pid, rows, d, S, SQK, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=inside)
     tl.store(dv_ptr + at, wide_dot(fk, dsv, WIDE).to(dv_ptr.dtype.element_ty),
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
@@ -102,35 +103,30 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_pt
 @torch.library.custom_op("linattn::lln_noncausal_backward", mutates_args=())
 def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, alpha: Tensor, beta: Tensor,
                            m: Tensor, s: Tensor, den: Tensor, mask: Optional[Tensor],
-                           scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+                           scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq (B,H,N,D), dk (B,H,S,D), dv (B,H,S,Dv) in the inputs' dtype of ``scale`` x LLN from dL/d(out) ``grad``
-    and the output and state of ``lln_noncausal`` (out in q's dtype, m, s, den)."""
-    dq, dk, dv = _empty(q, k, v)
+    and the output and state of ``lln_noncausal`` (out in q's dtype, m, s, den), as ``common.op_grads``."""
+    dq, dk, dv, packed = new_grads(q, k, v)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    fairseq, (q, k, v, grad, out) = in_first_layout(q, k, v, grad, out)
+    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
     m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
     splits = max(1, triton.cdiv(n, split_rows))
     part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
-    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, b * h, scale, n, split_rows, d, dv_dim,
+    _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, b * h, scale, n, split_rows, d, dv_dim, sqk,
                                  BLOCK=rows, FAIRSEQ=fairseq,
                                  BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
     ds = part.sum(2)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
         q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, b * h, scale, h, n, length, d, dv_dim,
-        BLOCK=rows, FAIRSEQ=fairseq,
+        sqk, sv, BLOCK=rows, FAIRSEQ=fairseq,
         BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
-    return dq, dk, dv
+    return op_grads(dq, dk, dv, packed)
 
 
 @lln_noncausal_backward.register_fake
 def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
-    return _empty(q, k, v)
-
-
-def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels')."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
+    return op_grads(*new_grads(q, k, v))

@@ -17,7 +17,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import HALF, block, emulate_half_dot, half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
+from .common import (
+    HALF,
+    block,
+    each_in_layout,
+    emulate_half_dot,
+    half_dot,
+    inputs_in_layout,
+    launch,
+    new_rows,
+    tile_at,
+    wide_dot,
+)
 
 ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
 SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
@@ -39,10 +50,11 @@ def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D,
+def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
                  KEYS: tl.constexpr):
-    """Rows ``rows`` (< end) of Q or K (KEYS; fairseq's layout or contiguous: ``common.tile_at``) of head ``pid``: x
+    """Rows ``rows`` (< end) of Q or K (KEYS; fairseq's layout, head stride SX, or contiguous: ``common.tile_at``) of
+    head ``pid``: x
     (R, BD) in HALF_TY (a padded query 0), C =
     kappa(x_s, L) (R, BL) fp32 (0 on rows past the end and on padded keys), and whether each row is a real token."""
     d = tl.arange(0, BD)
@@ -50,7 +62,7 @@ def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, 
     real = inside
     if HAS_MASK:
         real = inside & (tl.load(mask_ptr + (pid // H) * end + rows, mask=inside, other=1) == 0)
-    x = tl.load(x_ptr + tile_at(pid, rows, d, end, D, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+    x = tl.load(x_ptr + tile_at(pid, rows, d, end, SX, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     x32 = x.to(tl.float32)
     # E = x_s·L - |x_s|²/2 - |L|²/2 = D^(-1/2) (x·l - |x|²/2 - |l|²/2) <= 0 (Skyformer §4.1), clamped for rounding
@@ -62,11 +74,12 @@ def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, 
 
 
 @triton.jit
-def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SPLIT, D, DV, L,
+def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SPLIT, D, DV, SX, SW, L,
            BLOCK: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
            HAS_MASK: tl.constexpr, KEYS: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One split of one head: part (L, DV) = C^T W over its SPLIT rows of X (K if KEYS, else Q) and W (half)."""
+    """One split of one head: part (L, DV) = C^T W over its SPLIT rows of X (K if KEYS, else Q) and W (half), at head
+    strides SX, SW (``common.tile_at``)."""
     pid = tl.program_id(0)
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
@@ -75,10 +88,10 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD,
-                                  HALF_TY, EMULATE, HAS_MASK, KEYS)  # x: unused
+        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SX,
+                                  BD, HALF_TY, EMULATE, HAS_MASK, KEYS)  # x: unused
         live = real if KEYS else rows < N  # a padded key's values reach nothing, whatever they hold
-        w = tl.load(w_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=live[:, None] & (e[None, :] < DV),
+        w = tl.load(w_ptr + tile_at(pid, rows, e, N, SW, BH, FAIRSEQ), mask=live[:, None] & (e[None, :] < DV),
                     other=0.0)
         acc += half_dot(tl.trans(c), w, HALF_TY, EMULATE)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * L * DV  # part (B, H, splits, L, DV)
@@ -86,18 +99,19 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
 
 
 @triton.jit
-def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D, DV, L,
+def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D, DV, SQ, L,
              BLOCK: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
              HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One block of queries of one head: out = C_Q U (U = M^-T T, (L, DV) fp32), stored in q's dtype."""
+    """One block of queries of one head: out = C_Q U (U = M^-T T, (L, DV) fp32), stored in q's dtype (q at head
+    stride SQ)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
     raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
-    _, c, _ = kernel_block(q_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD, HALF_TY,
-                          EMULATE, HAS_MASK, False)
+    _, c, _ = kernel_block(q_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SQ, BD,
+                          HALF_TY, EMULATE, HAS_MASK, False)
     u = tl.load(u_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),
                 other=0.0)
     out = wide_dot(c, u, WIDE)
@@ -107,16 +121,16 @@ def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D
 
 def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optional[Tensor], keys: bool) -> Tensor:
     """C^T W (B,H,L,Dv) fp32 for C = kappa(X_s, L) over all rows of x (B,H,N,D) (K if ``keys``, else Q) and w
-    (B,H,N,Dv) half (fairseq's layout or contiguous: read in place); land (B,H,L,D) fp32, used (B,L) fp32 factors, mask
-    (B,N) or None (True = padded)."""
+    (B,H,N,Dv) half (fairseq's layout, packed too, or contiguous: read in place); land (B,H,L,D) fp32, used (B,L)
+    fp32 factors, mask (B,N) or None (True = padded)."""
     b, h, n, d = x.shape
-    fairseq, (x, w) = in_first_layout(x, w)
+    fairseq, (sx, sw), (x, w) = each_in_layout(x, w)
     dv, num = w.shape[-1], land.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
     splits = max(1, triton.cdiv(n, SPLIT_ROWS))
     part = land.new_empty((b, h, splits, num, dv))  # each split's share, summed below: deterministic, no atomics
     _state[(b * h, splits)](x, w, land, used, _mask_u8(mask, x), part, b * h, d ** -0.25, h, n, SPLIT_ROWS,
-                            d, dv, num,
+                            d, dv, sx, sw, num,
                             BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
                             EMULATE=emulate_half_dot(x.dtype), HAS_MASK=mask is not None, KEYS=keys, FAIRSEQ=fairseq,
                             **launch("nystrom_state", d))
@@ -137,12 +151,12 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     out = _empty(q, v)
     b, h, n, d = q.shape
     dv, num = v.shape[-1], land.shape[2]
-    fairseq, (q, k, v) = in_first_layout(q, k, v)
+    fairseq, sq, _, (q, k, v) = inputs_in_layout(q, k, v)
     land, used = land.contiguous(), used.contiguous()
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()
     _readout[(b * h, triton.cdiv(n, ROWS))](q, land, used, _mask_u8(mask, q), u, out, b * h, d ** -0.25, h, n, d,
-                                           dv, num, FAIRSEQ=fairseq,
+                                           dv, sq, num, FAIRSEQ=fairseq,
                                            BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
                                            HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                                            HAS_MASK=mask is not None, **launch("nystrom_readout", d))

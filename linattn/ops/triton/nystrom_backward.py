@@ -15,19 +15,20 @@ import triton.language as tl
 from torch import Tensor
 
 from . import nystrom as forward
-from .common import HALF, block, emulate_half_dot, in_first_layout, launch, new_rows, tile_at, wide_dot
+from .common import HALF, block, emulate_half_dot, inputs_in_layout, launch, new_grads, op_grads, tile_at, wide_dot
 from .nystrom import kernel_block, landmarks
 
 
 @triton.jit
 def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, dv_ptr, part_ptr, BH, s, H,
                N, SPLIT,
-               FIRST, TOTAL, D, DV, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr,
+               FIRST, TOTAL, D, DV, SX, SA, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+               BL: tl.constexpr,
                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr,
                WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One split of the rows of Q, or of K (KEYS), of one head: dX (0 on padded rows) and for the keys dV, stored in
-    the inputs' dtype; part (L, D) = the split's share of dL/dL, at split FIRST + its index of TOTAL. X, A, dX and dV in
-    fairseq's layout (FAIRSEQ) or contiguous."""
+    the inputs' dtype; part (L, D) = the split's share of dL/dL, at split FIRST + its index of TOTAL. X and dX (X =
+    SX), A and dV (SA) in fairseq's layout (FAIRSEQ) or contiguous."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -40,17 +41,17 @@ def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, d
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, BD,
-                                  HALF_TY, EMULATE, HAS_MASK, KEYS)
+        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SX,
+                                  BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
         live = real if KEYS else rows < N
-        at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
+        at = tile_at(pid, rows, e, N, SA, BH, FAIRSEQ)  # A and dV
         a = tl.load(a_ptr + at, mask=live[:, None] & (e[None, :] < DV), other=0.0).to(tl.float32)
         # dE = dC ∘ C for C = exp(E), dC = A W^T; dX_s = dE L - rowsum(dE) X_s, dL = dE^T X_s - colsum(dE) L
         de = wide_dot(a, tl.trans(w), WIDE) * c
         xs = x.to(tl.float32) * s
         dxs = wide_dot(de, land, WIDE) - tl.sum(de, 1)[:, None] * xs
         inside = (rows[:, None] < N) & (d[None, :] < D)
-        tl.store(dx_ptr + tile_at(pid, rows, d, N, D, BH, FAIRSEQ),
+        tl.store(dx_ptr + tile_at(pid, rows, d, N, SX, BH, FAIRSEQ),
                  tl.where(real[:, None], dxs * s, 0.0).to(dx_ptr.dtype.element_ty), mask=inside)
         if KEYS:
             tl.store(dv_ptr + at, wide_dot(c, w, WIDE).to(dv_ptr.dtype.element_ty),
@@ -64,13 +65,14 @@ def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, d
 @torch.library.custom_op("linattn::nystrom_apply_backward", mutates_args=())
 def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: Tensor, m_inv: Tensor,
                            used: Tensor, mask: Optional[Tensor], t: Tensor,
-                           u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype, dL/d(land) (B,H,L,D) and dL/dM^-1 (B,H,L,L) fp32, from
-    dL/d(out) ``grad`` (q's dtype) and the forward's T, U (``nystrom.nystrom_apply``)."""
-    dq, dk, dv = _empty(q, k, v)
+                           u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk (B,H,N,D), dv (B,H,N,Dv) and their packed tensor (``common.op_grads``) in the inputs' dtype, dL/d(land)
+    (B,H,L,D) and dL/dM^-1 (B,H,L,L) fp32, from dL/d(out) ``grad`` (q's dtype) and the forward's T, U
+    (``nystrom.nystrom_apply``)."""
+    dq, dk, dv, packed = new_grads(q, k, v)
     b, h, n, d = q.shape
     dv_dim, num = v.shape[-1], land.shape[2]
-    fairseq, (q, k, v, grad) = in_first_layout(q, k, v, grad.to(q.dtype))
+    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))
     land, used = land.contiguous(), used.contiguous()
     du = forward.kernel_state(q, grad, land, used, mask, keys=False)
     dt = (m_inv @ du).contiguous()
@@ -80,20 +82,15 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     splits = max(1, triton.cdiv(n, split_rows))
     part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    for first, (x, a, w, dx) in enumerate([(q, grad, u, dq), (k, v, dt, dk)]):
+    for first, (x, a, w, dx, sa) in enumerate([(q, grad, u, dq, dv_dim), (k, v, dt, dk, sv)]):
         _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, b * h, d ** -0.25, h, n,
-                                    split_rows, first * splits, 2 * splits, d, dv_dim, num, BD=block(d),
+                                    split_rows, first * splits, 2 * splits, d, dv_dim, sqk, sa, num, BD=block(d),
                                     BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
                                     EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, KEYS=first == 1,
                                     FAIRSEQ=fairseq, **settings)
-    return dq, dk, dv, part.sum(2), t @ du.mT
+    return (*op_grads(dq, dk, dv, packed), part.sum(2), t @ du.mT)
 
 
 @nystrom_apply_backward.register_fake
 def _(q, k, v, grad, land, m_inv, used, mask, t, u):
-    return (*_empty(q, k, v), torch.empty_like(land), torch.empty_like(m_inv))
-
-
-def _empty(q: Tensor, k: Tensor, v: Tensor):
-    """dq, dk, dv: the rows of q, k, v in q's layout (the kernels', ``common.new_rows``)."""
-    return tuple(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v))
+    return (*op_grads(*new_grads(q, k, v)), torch.empty_like(land), torch.empty_like(m_inv))

@@ -328,3 +328,14 @@ def test_lavo_cross_attention_rejects_value_dim_mismatch():
                                        lavo_init_bases(H, 4, D))
     with pytest.raises(ValueError, match="bases must have shape"):  # the memory checks v_src against the bases
         cross_attention(q, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D + 1), lavo_init_bases(H, 4, D))
+
+
+@pytest.mark.parametrize("b, m, k, j", [(3, 4, 12, 6), (3, 5, 12, 7), (5, 13, 33, 64)])
+def test_memory_products_of_a_sequence_do_not_depend_on_its_batch(gen, b, m, k, j):
+    """The memory's per-head products (window sums times the bases, LAVO eq. 3): one sequence alone gives the same
+    numbers, bit for bit, as within a batch (float32 batched products at these shapes do not)."""
+    from linattn.ops.lavo.memory import per_head
+
+    x, w = torch.randn(b, 2, m, k, generator=gen), torch.randn(2, k, j, generator=gen)
+    assert torch.equal(per_head(x, w)[1:2], per_head(x[1:2], w))
+    torch.testing.assert_close(per_head(x, w), torch.einsum("bhmk,hkj->bhmj", x, w))
