@@ -86,18 +86,17 @@ def siblings_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return tuple(packed[..., a:b].permute(1, 2, 0, 3) for a, b in ((0, d), (d, 2 * d), (2 * d, packed.shape[-1])))
 
 
-LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),), "sliced": sliced_layout,
-           "packed": packed_layout}
+LAYOUTS = {"fairseq": fairseq_layout, "contiguous": lambda t: (t.contiguous(),), "sliced": sliced_layout}
 
 
 def check_fused_layouts(run, leaves, grad, layouts, packed_grads: bool = True) -> None:
     """``run(q, k, v)`` of a fused op with q, k, v and dL/d(out) laid out as ``layouts`` (names of ``LAYOUTS``, in that
     order) gives the output and gradients of contiguous ``leaves`` (q, k, v) and ``grad``, bit for bit; the output and
     every gradient come in q's layout where the kernels read q in place (fairseq's or contiguous: then the module's
-    head merge and the projections' backward copy nothing), contiguous otherwise (sliced), fairseq's own where q is
-    packed alone; for ``siblings`` (q, k, v packed as the module's projection packs them: read in place) the output in
-    fairseq's own layout and dq, dk, dv views of one tensor, laid out as q, k, v are (unless not ``packed_grads``:
-    Skyformer's landmarks, rows of q and k, add their gradients to dq and dk outside the op)."""
+    head merge and the projections' backward copy nothing), contiguous otherwise (sliced); for ``siblings`` (q, k, v
+    packed as the module's projection packs them: read in place) the output in fairseq's own layout and dq, dk, dv
+    views of one tensor, laid out as q, k, v are (unless not ``packed_grads``: Skyformer's landmarks, rows of q and
+    k, add their gradients to dq and dk outside the op)."""
     out = run(*leaves)
     want = torch.autograd.grad(out, leaves, grad)
     if layouts[0] == "siblings":
@@ -107,7 +106,7 @@ def check_fused_layouts(run, leaves, grad, layouts, packed_grads: bool = True) -
     got_out = run(*moved)
     got = torch.autograd.grad(got_out, moved, LAYOUTS[layouts[3]](grad)[0])
     assert torch.equal(got_out, out) and all(torch.equal(a, b) for a, b in zip(got, want))
-    kind = LAYOUTS[{"sliced": "contiguous", "packed": "fairseq", "siblings": "fairseq"}.get(layouts[0], layouts[0])]
+    kind = LAYOUTS[{"sliced": "contiguous", "siblings": "fairseq"}.get(layouts[0], layouts[0])]
     assert got_out.stride() == kind(out.detach())[0].stride(), layouts
     if layouts[0] == "siblings" and packed_grads:  # dq, dk, dv: views of one tensor laid out as q, k, v are
         assert [g.stride() for g in got] == [t.stride() for t in moved], layouts
@@ -121,10 +120,9 @@ def check_fused_layouts(run, leaves, grad, layouts, packed_grads: bool = True) -
 
 
 # q, k, v and dL/d(out): all in fairseq's layout, and mixes that tell one tensor's strides from another's
-# (the module's packed q, k, v; each packed apart from the others, copied to fairseq's own)
+# (and the module's packed q, k, v; a tensor packed apart from the others is copied, test_triton_common)
 LAYOUT_CASES = [("fairseq",) * 4, ("fairseq", "contiguous", "fairseq", "sliced"),
-                ("sliced", "fairseq", "contiguous", "fairseq"), ("siblings",) * 3 + ("fairseq",),
-                ("packed", "fairseq", "packed", "packed")]
+                ("sliced", "fairseq", "contiguous", "fairseq"), ("siblings",) * 3 + ("fairseq",)]
 
 
 def assert_same_values_and_grads(out, ref, inputs, generator, rtol=1e-8, atol=1e-9) -> None:
