@@ -4,6 +4,7 @@ The module projects x (T,B,C) once into a (T,B,H,3,D) tensor: each head's q, k, 
 packs them. ``split_heads`` gives q, k, v (B,H,T,D) as views of it, which the fused kernels read in place. Its
 backward takes dq, dk, dv: where they are the three parts of one tensor laid out the same way (a fused backward
 writes them so, ``triton/common.new_grads``), that tensor is the gradient, else the three are stacked into one.
+The layout's definition (``head_stride``, ``packed_siblings``) lives here, torch only; the kernels import it.
 """
 from typing import Optional, Tuple
 
@@ -29,20 +30,45 @@ class _SplitHeads(torch.autograd.Function):
 
 
 def packed_gradient(dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]) -> Optional[Tensor]:
-    """The (T,B,H,3,D) tensor whose parts dq, dk, dv (T,B,H,D) are, each head's three side by side in one storage
-    (rows and heads contiguous across the three), or None."""
+    """The (T,B,H,3,D) tensor whose parts dq, dk, dv (T,B,H,D) are (``packed_siblings`` in one storage), or None."""
     if dq is None or dk is None or dv is None or torch.compiler.is_compiling():
         return None
-    t, b, h, d = dq.shape
-    strides = (b * h * 3 * d, h * 3 * d, 3 * d, 1)
-    if not (dk.shape == dv.shape == dq.shape and all(_strided(g, strides) for g in (dq, dk, dv))
-            and dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
-            and dk.storage_offset() == dq.storage_offset() + d and dv.storage_offset() == dq.storage_offset() + 2 * d):
+    heads = [g.permute(1, 2, 0, 3) for g in (dq, dk, dv)]  # (B,H,T,D), as the ops see them
+    if not (packed_siblings(*heads)
+            and dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()):
         return None
-    return dq.as_strided((t, b, h, 3, d), (*strides[:3], d, 1), dq.storage_offset())
+    t, b, h, d = dq.shape
+    return dq.as_strided((t, b, h, 3, d), (b * h * 3 * d, h * 3 * d, 3 * d, d, 1), dq.storage_offset())
+
+
+def head_stride(x: Tensor) -> Optional[int]:
+    """The head stride S >= X with which x (B,H,N,X) lies in fairseq's layout: (N,B,H,S) memory whose heads hold x
+    in their first X columns (heads S apart, rows B*H*S apart). S = X: fairseq's own head split; S > X: one of
+    tensors side by side in each head, as the module's packed projection gives q, k and v (S = 2D + Dv). None if x
+    does not lie so."""
+    b, h, n, c = x.shape
+    if h > 1:
+        s = x.stride(1)
+    elif b > 1:
+        s = x.stride(0)
+    elif n > 1:
+        s = x.stride(2) // b
+    else:
+        s = c
+    return s if s >= c and _strided(x, (h * s, s, b * h * s, 1)) else None
+
+
+def packed_siblings(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether q, k (B,H,N,D) and v (B,H,N,Dv) are the three parts of each head of one (N,B,H,2D+Dv) tensor, in
+    that order, as the module's packed projection gives them (``head_stride``)."""
+    d = q.shape[-1]
+    return (head_stride(q) == 2 * d + v.shape[-1] and k.shape == q.shape and v.shape[:3] == q.shape[:3]
+            and k.stride() == q.stride() == v.stride()
+            and k.storage_offset() == q.storage_offset() + d and v.storage_offset() == k.storage_offset() + d)
 
 
 def _strided(x: Tensor, strides: Tuple[int, ...]) -> bool:
+    """Whether x has these strides along its dimensions longer than 1."""
     return all(s == want for s, want, size in zip(x.stride(), strides, x.shape) if size > 1)
 
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packed_heads import head_stride, packed_siblings
+
 HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dtypes the kernels take
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
@@ -77,23 +79,6 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     return settings
 
 
-def head_stride(x: torch.Tensor) -> Optional[int]:
-    """The head stride S >= X with which x (B,H,N,X) lies in fairseq's layout: (N,B,H,S) memory whose heads hold x
-    in their first X columns (heads S apart, rows B*H*S apart). S = X: fairseq's own head split; S > X: one of
-    tensors side by side in each head, as the module's packed projection gives q, k and v (S = 2D + Dv). None if x
-    does not lie so."""
-    b, h, n, c = x.shape
-    if h > 1:
-        s = x.stride(1)
-    elif b > 1:
-        s = x.stride(0)
-    elif n > 1:
-        s = x.stride(2) // b
-    else:
-        s = c
-    return s if s >= c and _strided(x, (h * s, s, b * h * s, 1)) else None
-
-
 def fairseq_layout(x: torch.Tensor) -> bool:
     """Whether x (B,H,N,X) is in fairseq's layout, its own (heads X apart) or packed (``head_stride``)."""
     return head_stride(x) is not None
@@ -116,15 +101,6 @@ def each_in_layout(*tensors: torch.Tensor) -> Tuple[bool, Tuple[int, ...], Tuple
         return True, tuple(head_stride(t) for t in tensors), tensors
     tensors = tuple(t.contiguous() for t in tensors)
     return False, tuple(t.shape[-1] for t in tensors), tensors
-
-
-def packed_siblings(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether q, k (B,H,N,D) and v (B,H,N,Dv) are the three parts of each head of one (N,B,H,2D+Dv) tensor, in
-    that order, as the module's packed projection gives them (``head_stride``)."""
-    d = q.shape[-1]
-    return (head_stride(q) == 2 * d + v.shape[-1] and k.shape == q.shape and v.shape[:3] == q.shape[:3]
-            and k.stride() == q.stride() == v.stride()
-            and k.storage_offset() == q.storage_offset() + d and v.storage_offset() == k.storage_offset() + d)
 
 
 def inputs_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor
@@ -187,22 +163,6 @@ def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
     if FAIRSEQ:
         return pid * X + rows[:, None] * (BH * X) + cols[None, :]
     return pid * R * X + rows[:, None] * X + cols[None, :]
-
-
-@triton.jit
-def tile_near(pid, rows, cols, R, X, X0, BH, FAIRSEQ: tl.constexpr):
-    """``tile_at`` with X, as the tile with X0 plus a shift per row: a kernel that reads rows at several head strides
-    (the module's packed q, k, v beside tensors at their own width) keeps one tile of offsets, not one per stride."""
-    if FAIRSEQ:
-        shift = (pid + rows * BH) * (X - X0)
-    else:
-        shift = (pid * R + rows) * (X - X0)
-    return tile_at(pid, rows, cols, R, X0, BH, FAIRSEQ) + shift[:, None]
-
-
-def _strided(x: torch.Tensor, strides: Tuple[int, ...]) -> bool:
-    """Whether x has these strides along its dimensions longer than 1."""
-    return all(s == want for s, want, size in zip(x.stride(), strides, x.shape) if size > 1)
 
 
 def block(n: int) -> int:
