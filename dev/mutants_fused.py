@@ -3,6 +3,7 @@ lists them with the others."""
 from .mutant import LAVO_FUSED_T, MOD, OPS, SKY_FUSED_T, Mutant
 
 M = Mutant
+MATCH_T = ("tests/ops/test_moment_match_fused.py",)
 FUSED_MUTANTS = [
     M("impls-fused-no-fallback", OPS + "impls.py", 'return "parallel" if impl == "fused" and not fused_ok else impl',
       "return impl", "fused asked of a method or device without kernels is not turned into parallel",
@@ -208,4 +209,23 @@ FUSED_MUTANTS = [
       "torch.stack([p.weight.view(h, d, -1) for p in projs], 0)",
       "the packed weight stacks q's, k's and v's heads one after another, not side by side per head",
       ("tests/plugin/test_packed_projection.py",)),
+    M("moment-scales-one-a", OPS + "triton/moment_match.py", "/ _f64(2 * A), _f64(MIN_S2)", "/ _f64(A), _f64(MIN_S2)",
+      "the fused matching divides by a, not 2a (Prop. 4.1)", MATCH_T),
+    M("moment-constants-float32", OPS + "triton/moment_match.py", "return tl.full([], x, tl.float64)", "return x",
+      "the fused matching's constants (a, b, the limits) as Triton literals, rounded to float32", MATCH_T),
+    M("moment-clamp-drops-nan", OPS + "triton/moment_match.py", "return tl.where(x < lo, lo, x)",
+      "return tl.maximum(x, lo)", "a NaN variance clamped to a finite sigma: a NaN batch gives finite scales", MATCH_T),
+    M("moment-fold-counts-idle-lanes", OPS + "triton/moment_match.py", "tl.where(finite | ~ok, 1, 0)",
+      "tl.where(finite, 1, 0)", "the lanes past G count as unfolded groups: the running statistics count no batch "
+      "unless G is a power of two", MATCH_T),
+    M("moment-fold-first-batch-weight", OPS + "triton/moment_match.py", "(folded.to(tl.float64) + 1.0), m)",
+      "(folded.to(tl.float64) + 2.0), m)", "the running statistics' first batches averaged with the wrong weights",
+      MATCH_T),
+    M("matcher-fused-buffers-swapped", MOD + "moment_matcher.py",
+      "first, second = (self.ema_var_q, self.ema_var_k) if moments is None",
+      "first, second = (self.ema_var_k, self.ema_var_q) if moments is None",
+      "the fused matching reads k's EMA variance for q's", MATCH_T),
+    M("matcher-fused-fold-skipped", MOD + "moment_matcher.py",
+      "fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)", "pass",
+      "a fused training forward folds nothing into the running statistics", MATCH_T),
 ]

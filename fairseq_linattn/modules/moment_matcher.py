@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from linattn.ops import check_key_padding_mask, check_positive_int, compute_dtype, token_moments
-from linattn.ops.impls import IMPLS
+from linattn.ops.impls import IMPLS, implementation_for
+from linattn.ops.lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 from linattn.ops.moment_matching import (
     MIN_SIGMA,
     MODES,
@@ -205,6 +206,23 @@ class MomentMatcher(nn.Module):
         var = (moments[2:4] / n - mean ** 2).clamp_min(0)
         return var.masked_fill(empty, 1.0), count
 
+    def _fused(self, like: Tensor) -> bool:
+        """Whether the matching after the token sums runs in one-program kernels (``ops/triton/moment_match.py``):
+        modes with the line a x + b, where LLN's implementation resolves to ``fused`` for q like ``like``."""
+        return self.mode in ("paper", "fit") and implementation_for(LLN_IMPLEMENTATIONS, self.impl, like) == "fused"
+
+    def _scales(self, like: Tensor, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """alpha, beta (as ``forward``) from the variances of moments (5, G) or, without them, the EMA buffers: one
+        launch where ``_fused``, else ``_match``'s two dozen."""
+        if not self._fused(like):
+            var = torch.stack([self.ema_var_q, self.ema_var_k]) if moments is None else self._variances(moments)[0]
+            return self._match(var, like)
+        from linattn.ops.triton.moment_match import lln_scales
+        first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
+        stats, ab = lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
+        return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
+
     def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of q and k stacked (2, ...)."""
         sigma = var.to(_F64).sqrt().clamp_min(MIN_SIGMA)
@@ -252,8 +270,8 @@ class MomentMatcher(nn.Module):
             if self.training:
                 moments = self._training_moments(q, k, key_padding_mask)
                 if trained_on:
-                    moments = self._record(moments)
-                return self._match(self._variances(moments)[0], like=q)
+                    moments = self._record(moments, like=q)
+                return self._scales(q, moments)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
             # Chosen on the device, with no host sync: (2, B, G) either way
@@ -261,11 +279,11 @@ class MomentMatcher(nn.Module):
             running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
             return self._match(torch.where(self.running_batches > 0, running, own), like=q)
         # the value from before this batch (computed first: the fold below updates the buffers in place)
-        alpha_beta = self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=q)
+        alpha_beta = self._scales(q)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            self._record(self._training_moments(q, k, key_padding_mask))
+            self._record(self._training_moments(q, k, key_padding_mask), like=q)
         return alpha_beta
 
     def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -273,16 +291,16 @@ class MomentMatcher(nn.Module):
         moments = self._moments(q, k, key_padding_mask)
         return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
-    def _record(self, moments: Tensor) -> Tensor:
-        """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or
-        folded now, all-reduced first when torch.distributed is initialised (returned all-reduced)."""
+    def _record(self, moments: Tensor, like: Tensor) -> Tensor:
+        """A training forward's moments (of q like ``like``): pending (``folds_deferred``: returned as they are, the
+        rank's own) or folded now, all-reduced first when torch.distributed is initialised (returned all-reduced)."""
         if _FLAGS.folds_deferred:
             self.pending_moments.add_(moments)
             return moments
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             moments = moments.clone()
             dist.all_reduce(moments)
-        self._fold_moments(moments)
+        self._fold_moments(moments, self._fused(like))
         return moments
 
     def fold_pending(self) -> None:
@@ -290,9 +308,15 @@ class MomentMatcher(nn.Module):
         self._fold_moments(self.pending_moments)
         self.pending_moments.zero_()
 
-    def _fold_moments(self, moments: Tensor) -> None:
-        bufs = (self.running_var_q, self.running_var_k) if self.stats == "batch" else (self.ema_var_q, self.ema_var_k)
-        self._fold(*self._variances(moments), *bufs)
+    def _fold_moments(self, moments: Tensor, fused: bool = False) -> None:
+        """``_fold`` the variances of moments (5, G) into the running statistics (``fused``: in one launch)."""
+        batch = self.stats == "batch"
+        bufs = (self.running_var_q, self.running_var_k) if batch else (self.ema_var_q, self.ema_var_k)
+        if fused:
+            from linattn.ops.triton.moment_match import fold_moments
+            fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)
+        else:
+            self._fold(*self._variances(moments), *bufs)
 
     def _fold(self, batch: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
         """buf <- m buf + (1 - m) batch (``batch``: q's and k's stacked); ``batch`` stats: the running statistics'
@@ -320,5 +344,5 @@ class MomentMatcher(nn.Module):
         if self.stats != "ema" and self.mode != "off":
             raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
         if self.stats == "ema":
-            return self._match(torch.stack([self.ema_var_q, self.ema_var_k]), like=like)
+            return self._scales(like)
         return self._match(torch.ones(2, 1, dtype=_F64, device=like.device), like=like)

@@ -40,6 +40,7 @@ from linattn.ops.triton import (
     lln_key_max,
     lln_noncausal,
     lln_noncausal_backward,
+    moment_match,
     nystrom,
     nystrom_backward,
     token_moments,
@@ -54,6 +55,7 @@ SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instr
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr")
 FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
+DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "m_ptr"), ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
 # Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): the
 # limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
@@ -86,6 +88,8 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
              dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),
             (token_moments._row_moments, "lln_token_moments", dict(BLOCK=token_moments.ROWS)),
+            (moment_match._scales, "lln_moment_scales", dict(A=0.15, B=-0.35, MAX_SCALE=8.0, MOMENTS=True, BLOCK=16)),
+            (moment_match._fold, "lln_moment_fold", dict(MOMENTUM=0.99, BATCH=True, BLOCK=16)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
@@ -106,9 +110,10 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
     # FAIRSEQ: the kernels read and write fairseq's layout, as the module's head split gives q, k, v
     consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d, FAIRSEQ=True), **consts, **settings}.items() if p in params}
     types = {p: "constexpr" if p in consts else ("*" + half if p in HALF_POINTERS else "*u8" if p in MASKS else
+             "*fp64" if p in DOUBLES else "*i64" if p in LONGS else
              "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")
              for p in params}
-    options = {k: settings[k] for k in ("num_warps", "num_stages")}
+    options = {k: settings[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in settings}
     return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                           options=options), settings
 

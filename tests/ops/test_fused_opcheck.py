@@ -8,6 +8,7 @@ import torch
 from helpers import fairseq_layout, padding_mask, siblings_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
 from linattn import ops
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
@@ -33,6 +34,9 @@ def run(method, causal, q, k, v, mask, gen):
     if method == "token_moments":  # LLN's moment matching: no gradient
         ops.token_moments(q, k, impl="fused")
         return
+    if method == "moment_matcher":  # its scales and the fold of the batch into its EMA after the token sums
+        MomentMatcher(head_dim=q.shape[-1], num_heads=2, per_head=True, stats="ema", impl="fused").train()(q, k, mask)
+        return
     if method == "lln":
         out = ops.lln_attention(q, k, v, ALPHA, 0.9, causal=causal, key_padding_mask=mask, chunk_size=8, impl="fused")
     elif method == "lln_diag":
@@ -49,7 +53,7 @@ def run(method, causal, q, k, v, mask, gen):
 
 @pytest.mark.parametrize("method, causal", [("lln", False), ("lln", True), ("lln_diag", False), ("lln_diag", True),
                                             ("skyformer", False), ("lavo", False), ("lavo", True),
-                                            ("token_moments", False)])
+                                            ("token_moments", False), ("moment_matcher", False)])
 @pytest.mark.parametrize("layout", ["fairseq", "siblings"])
 def test_fused_ops_fake_outputs_match_the_kernels(gen, method, causal, layout):
     """siblings: q, k, v packed as the module packs them, whose gradients the backward ops return packed."""
@@ -59,5 +63,9 @@ def test_fused_ops_fake_outputs_match_the_kernels(gen, method, causal, layout):
     with CustomOpCalls() as seen:
         run(method, causal, q, k, v, mask, gen)
     assert len(seen.calls) >= 1 + (method != "token_moments"), [str(c[0]) for c in seen.calls]  # forward, backward
+    if method == "moment_matcher":
+        # the EMA's value from before the batch, then the batch's sums folded in
+        assert [c[0].__name__ for c in seen.calls] == ["lln_scales.default", "token_moments.default",
+                                                       "fold_moments.default"]
     for op, args, kwargs in seen.calls:
         torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor"))

@@ -46,7 +46,10 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(num_warps=8, num_stages=1, TF32=True),
           "lavo_local_grad": dict(num_warps=8, num_stages=1, TF32=True),
-          "lln_token_moments": dict(num_warps=8, num_stages=1)}
+          "lln_token_moments": dict(num_warps=8, num_stages=1),
+          # one program over a layer's G <= H groups; float64 products and sums rounded apart (no FMA), as PyTorch's
+          "lln_moment_scales": dict(num_warps=1, num_stages=1, enable_fp_fusion=False),
+          "lln_moment_fold": dict(num_warps=1, num_stages=1, enable_fp_fusion=False)}
 
 # At D or Dv over 64 (blocks of 128): within an H100's 227 KiB of shared memory a block (the Nyström backward's
 # tf32 operands take 272 KiB), and fewer spills at 8 warps (``kernel_resources``)

@@ -1,0 +1,136 @@
+"""LLN's moment matching after the token sums, in two launches of one program each (LLN §4.1, docs/design.md §3.1):
+``linattn::lln_scales`` (variances -> sigma, alpha, beta, tau) and ``linattn::fold_moments`` (a batch's moments into
+the running statistics). The same float64 arithmetic as ``ops/moment_matching.py`` and the moment matcher's
+``_variances``, ``_match`` and ``_fold``, whose two dozen launches of (2, G) tensors each a training forward ran.
+Modes ``paper`` and ``fit`` (a line a x + b); ``exact`` and ``off`` stay with the matcher's own code.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..moment_matching import _MIN_S2, MIN_SIGMA
+from .common import launch
+
+MIN_SIGMA, MIN_S2 = tl.constexpr(MIN_SIGMA), tl.constexpr(_MIN_S2)  # read by the kernels
+
+
+@triton.jit
+def _clamp_min(x, lo):
+    """max(x, lo), NaN kept (as torch's ``clamp_min``: a NaN alpha must reach the scale checks)."""
+    return tl.where(x < lo, lo, x)
+
+
+@triton.jit
+def _clamp_max(x, hi):
+    """min(x, hi), NaN kept."""
+    return tl.where(x > hi, hi, x)
+
+
+@triton.jit
+def _f64(x: tl.constexpr):
+    """The float64 constant x (a Python float argument or literal would be rounded to float32)."""
+    return tl.full([], x, tl.float64)
+
+
+@triton.jit
+def _variances(m_ptr, g, ok, G):
+    """var q, var k, count (float64) of groups g from moments (5, G): sum q, sum k, sum q², sum k², entries; variance 1
+    where there is no entry."""
+    count = tl.load(m_ptr + 4 * G + g, mask=ok, other=0.0)
+    n = _clamp_min(count, 1.0)
+    mq = tl.load(m_ptr + g, mask=ok, other=0.0) / n
+    mk = tl.load(m_ptr + G + g, mask=ok, other=0.0) / n
+    vq = _clamp_min(tl.load(m_ptr + 2 * G + g, mask=ok, other=0.0) / n - mq * mq, 0.0)
+    vk = _clamp_min(tl.load(m_ptr + 3 * G + g, mask=ok, other=0.0) / n - mk * mk, 0.0)
+    empty = count <= 0
+    return tl.where(empty, 1.0, vq), tl.where(empty, 1.0, vk), count
+
+
+@triton.jit
+def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, G, A: tl.constexpr, B: tl.constexpr, MAX_SCALE: tl.constexpr,
+            MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
+    """stats (5, G) float64: sigma q, sigma k, alpha, beta, tau; ab (2, G) in its dtype: alpha, beta. The variances
+    are those of moments (5, G) at ``first_ptr`` (MOMENTS) or the buffers var q, var k (G,) at ``first_ptr``,
+    ``second_ptr``."""
+    g = tl.arange(0, BLOCK)
+    ok = g < G
+    if MOMENTS:
+        vq, vk, _ = _variances(first_ptr, g, ok, G)
+    else:
+        vq = tl.load(first_ptr + g, mask=ok, other=1.0).to(tl.float64)
+        vk = tl.load(second_ptr + g, mask=ok, other=1.0).to(tl.float64)
+    a, b, max_scale = _f64(A), _f64(B), _f64(MAX_SCALE)
+    sq = _clamp_min(tl.sqrt(vq), _f64(MIN_SIGMA))
+    sk = _clamp_min(tl.sqrt(vk), _f64(MIN_SIGMA))
+    s = tl.sqrt(_clamp_min(((sq * sq) * (sk * sk) - b) / _f64(2 * A), _f64(MIN_S2)))  # Prop. 4.1 with eq. 10
+    alpha = _clamp_max(s / sq, max_scale)
+    beta = _clamp_max(s / sk, max_scale)
+    var_lln = a * ((alpha * alpha) * (sq * sq) + (beta * beta) * (sk * sk)) + b  # eq. 11
+    tau = 1.0 / tl.sqrt(_clamp_min(var_lln, _f64(1e-12)))
+    tl.store(stats_ptr + g, sq, mask=ok)
+    tl.store(stats_ptr + G + g, sk, mask=ok)
+    tl.store(stats_ptr + 2 * G + g, alpha, mask=ok)
+    tl.store(stats_ptr + 3 * G + g, beta, mask=ok)
+    tl.store(stats_ptr + 4 * G + g, tau, mask=ok)
+    tl.store(ab_ptr + g, alpha.to(ab_ptr.dtype.element_ty), mask=ok)
+    tl.store(ab_ptr + G + g, beta.to(ab_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fold(m_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """buf <- m buf + (1 - m) var for each group whose variances are finite and that has entries (bq_ptr, bk_ptr: the
+    float32 buffers (G,)); BATCH: m = min(1 - 1 / (n + 1), momentum) with n the batches folded (int64 at
+    ``batches_ptr``), counted on when every group folded."""
+    g = tl.arange(0, BLOCK)
+    ok = g < G
+    vq, vk, count = _variances(m_ptr, g, ok, G)
+    finite = (vq < float("inf")) & (vk < float("inf")) & (count > 0)
+    m = _f64(MOMENTUM)
+    if BATCH:
+        folded = tl.load(batches_ptr)
+        m = _clamp_max(1.0 - 1.0 / (folded.to(tl.float64) + 1.0), m)
+        tl.store(batches_ptr, folded + tl.min(tl.where(finite | ~ok, 1, 0), 0).to(tl.int64))
+    old_q = tl.load(bq_ptr + g, mask=ok).to(tl.float64)
+    old_k = tl.load(bk_ptr + g, mask=ok).to(tl.float64)
+    tl.store(bq_ptr + g, tl.where(finite, m * old_q + (1 - m) * vq, old_q).to(bq_ptr.dtype.element_ty), mask=ok)
+    tl.store(bk_ptr + g, tl.where(finite, m * old_k + (1 - m) * vk, old_k).to(bk_ptr.dtype.element_ty), mask=ok)
+
+
+@torch.library.custom_op("linattn::lln_scales", mutates_args=())
+def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
+               ) -> Tuple[Tensor, Tensor]:
+    """Moments (5, G) float64 (``second`` unused) or the buffers var q, var k (G,) -> stats (5, G) float64 (sigma q,
+    sigma k, alpha, beta, tau) and (alpha, beta) (2, G) in ``dtype``."""
+    stats, ab = _empty(first, dtype)
+    moments = first.dim() == 2
+    g = first.shape[-1]
+    _scales[(1,)](first, second, stats, ab, g, A=a, B=b, MAX_SCALE=max_scale, MOMENTS=moments,
+                  BLOCK=triton.next_power_of_2(g), **launch("lln_moment_scales", 0))
+    return stats, ab
+
+
+@lln_scales.register_fake
+def _(first, second, a, b, max_scale, dtype):
+    return _empty(first, dtype)
+
+
+def _empty(first: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    g = first.shape[-1]
+    return first.new_empty((5, g), dtype=torch.float64), first.new_empty((2, g), dtype=dtype)
+
+
+@torch.library.custom_op("linattn::fold_moments", mutates_args=("buf_q", "buf_k", "batches"))
+def fold_moments(moments: Tensor, buf_q: Tensor, buf_k: Tensor, batches: Optional[Tensor], momentum: float) -> None:
+    """Fold moments (5, G) float64 into the float32 buffers buf_q, buf_k (G,) in place (``_fold``): the running
+    statistics with ``batches`` (the int64 count of batches folded), else an EMA."""
+    g = moments.shape[-1]
+    _fold[(1,)](moments, buf_q, buf_k, batches, g, MOMENTUM=momentum, BATCH=batches is not None,
+                BLOCK=triton.next_power_of_2(g), **launch("lln_moment_fold", 0))
+
+
+@fold_moments.register_fake
+def _(moments, buf_q, buf_k, batches, momentum):
+    return None

@@ -1,0 +1,128 @@
+"""LLN's moment matching after the token sums in two one-program kernels (``ops/triton/moment_match.py``, run by
+Triton's interpreter) against the moment matcher's own float64 arithmetic (``_variances``, ``_match``, ``_fold``):
+groups clamped at each limit, without entries, non-finite; and the matcher with ``--attention-impl fused`` against
+``parallel`` over training steps, in two launches a forward."""
+import math
+
+import pytest
+import torch
+from helpers import padding_mask
+
+from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from linattn.ops.moment_matching import MIN_SIGMA
+from linattn.profiling.dispatch import count_dispatch
+
+pytest.importorskip("triton", minversion="3.9")
+from linattn.ops.triton.moment_match import fold_moments, lln_scales  # noqa: E402
+
+F64 = torch.float64
+SQRT_ULPS = dict(rtol=2**-48, atol=0, equal_nan=True)  # 16 ulps: PyTorch's CPU float64 sqrt, rsqrt are ulps off
+
+
+def moments(gen, g):
+    """(5, G) float64 moments of G groups of 40 entries with means and variances spread over decades; with G > 3 one
+    group without entries, one with a NaN sum of squares, one of variance ~1e-9 (sigma under MIN_SIGMA), and the
+    last of variance 1e4 (alpha, beta over max_scale for small a, b)."""
+    count = torch.full((g,), 40.0, dtype=F64)
+    mean = torch.randn(2, g, generator=gen, dtype=F64)
+    var = torch.exp(4 * torch.randn(2, g, generator=gen, dtype=F64))
+    if g > 3:
+        count[0] = 0
+        var[:, 2] = 1e-9
+        var[:, -1] = 1e4
+    m = torch.cat([mean * count, (var + mean**2) * count, count[None]])
+    if g > 3:
+        m[2, 1] = math.nan
+    return m
+
+
+def matcher(g, stats="ema", **kw):
+    return MomentMatcher("fit", head_dim=8, num_heads=g, per_head=g > 1, stats=stats, a=kw.pop("a", 0.2),
+                         b=kw.pop("b", -0.3), **kw)
+
+
+@pytest.mark.parametrize("g", [1, 5, 12])
+@pytest.mark.parametrize("source", ["moments", "buffers"])
+@pytest.mark.parametrize("max_scale", [8.0, 0.7])
+def test_scales_are_the_matchers_arithmetic(gen, g, source, max_scale):
+    """sigma, alpha, beta, tau in float64 and alpha, beta in float32, from moments or from the two buffers; a, b, the
+    limit and the variances apart from one another (a swapped or float32-rounded constant shows)."""
+    m = matcher(g, max_scale=max_scale, a=0.13 + 0.1 * torch.rand(1, generator=gen).item())
+    mom = moments(gen, g)
+    if source == "moments":
+        var, first, second = m._variances(mom)[0], mom, mom
+    else:
+        var = torch.rand(2, g, generator=gen, dtype=torch.float32) * 3
+        first, second = var[0].clone(), var[1].clone()
+    want = m._match(var, like=torch.zeros(1, dtype=torch.float16))
+    stats, ab = lln_scales(first, second, m.a, m.b, m.max_scale, torch.float32)
+    assert stats.dtype == F64 and ab.dtype == torch.float32 and stats.shape == (5, g) and ab.shape == (2, g)
+    for row, name in zip(stats, ("sigma_q", "sigma_k", "alpha", "beta", "tau")):
+        torch.testing.assert_close(row, getattr(m, f"last_{name}"), **SQRT_ULPS)
+    for got, w in zip(ab, want):
+        torch.testing.assert_close(got, w.flatten(), rtol=2**-23, atol=0, equal_nan=True)
+    if g > 3 and source == "moments":
+        assert stats[0, 0] == stats[1, 0] == 1  # no entry: variance 1
+        assert stats[0, 1].isnan() and ab[0, 1].isnan()  # a NaN variance gives a NaN alpha, for the scale checks
+        assert stats[0, 2] == MIN_SIGMA
+
+
+@pytest.mark.parametrize("g", [1, 3, 12])  # 3: every group folds, in a block of 4 lanes
+@pytest.mark.parametrize("stats", ["ema", "batch"])
+@pytest.mark.parametrize("folded", [0, 3])
+def test_fold_is_the_matchers_fold(gen, g, stats, folded):
+    """The float32 buffers bit for bit, and the batch count: a group without entries or with a non-finite variance
+    keeps its value, and the running statistics count a batch only if every group folded."""
+    m = matcher(g, stats, ema_momentum=0.9)
+    names = ("running_var_q", "running_var_k") if stats == "batch" else ("ema_var_q", "ema_var_k")
+    for name in names:
+        getattr(m, name).copy_(torch.rand(g, generator=gen) + 0.5)
+    if stats == "batch":
+        m.running_batches.fill_(folded)
+    mom = moments(gen, g)
+    before = [getattr(m, name).clone() for name in names]
+    batches = m.running_batches.clone() if stats == "batch" else None
+    fold_moments(mom, *before, batches, m.ema_momentum)
+    m._fold_moments(mom)
+    for got, name in zip(before, names):
+        assert torch.equal(got, getattr(m, name)), name
+    if stats == "batch":
+        assert batches == m.running_batches == folded + (g <= 3)
+
+
+@pytest.mark.parametrize("stats", ["ema", "batch"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fused_matcher_trains_as_parallel_in_two_launches(gen, stats, per_head):
+    """Three training forwards of padded half q, k and an eval forward: the same alpha, beta and buffers as the
+    ``parallel`` matcher's, with ``lln_scales`` once a forward and ``fold_moments`` once a training forward."""
+    q, k = ((s * torch.randn(4, 3, 4, 33, 16, generator=gen) + 0.2).half() for s in (2.0, 0.7))
+    masks = [padding_mask(3, 33, side, gen) for side in ("left", "right", "left")]
+    fused, parallel = (MomentMatcher(head_dim=16, num_heads=4, per_head=per_head, stats=stats, impl=impl).train()
+                       for impl in ("fused", "parallel"))
+    for step in range(4):
+        if step == 3:
+            fused.eval(), parallel.eval()
+        with count_dispatch() as counts:
+            got = fused(q[step], k[step], masks[step % 3])
+        want = parallel(q[step], k[step], masks[step % 3])
+        assert counts.ops["lln_scales"] == (stats == "ema" or step < 3)  # eval batch statistics: the matcher's own
+        assert counts.ops["fold_moments"] == (step < 3)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+        for name in ("last_alpha", "last_beta", "last_tau"):
+            torch.testing.assert_close(getattr(fused, name), getattr(parallel, name), rtol=1e-5, atol=0)
+    for name, buf in parallel.named_buffers():
+        torch.testing.assert_close(getattr(fused, name), buf, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["exact", "off"])
+def test_modes_without_the_line_keep_the_matchers_arithmetic(gen, mode):
+    """``exact`` (a measured table) and ``off`` (fixed values) are not what the kernel computes."""
+    kw = dict(fixed_alpha=0.5, fixed_beta=0.25) if mode == "off" else dict(seq_len=64)
+    m = MomentMatcher(mode, head_dim=8, num_heads=2, stats="ema", impl="fused", **kw).train()
+    q, k = (torch.randn(2, 2, 9, 8, generator=gen).half() for _ in range(2))
+    with count_dispatch() as counts:
+        alpha, beta = m(q, k)
+    assert counts.ops["lln_scales"] == 0
+    if mode == "off":
+        assert alpha.item() == 0.5 and beta.item() == 0.25
