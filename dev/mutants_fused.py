@@ -228,4 +228,8 @@ FUSED_MUTANTS = [
     M("matcher-fused-fold-skipped", MOD + "moment_matcher.py",
       "fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)", "pass",
       "a fused training forward folds nothing into the running statistics", MATCH_T),
+    M("moment-fold-undeclared-mutation", OPS + "triton/moment_match.py",
+      'mutates_args=("buf_q", "buf_k", "batches")', "mutates_args=()",
+      "the fold's op does not declare the buffers it writes: a compiled graph drops the update",
+      MATCH_T + ("tests/ops/test_fused_opcheck.py",)),
 ]

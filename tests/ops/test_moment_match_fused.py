@@ -126,3 +126,19 @@ def test_modes_without_the_line_keep_the_matchers_arithmetic(gen, mode):
     assert counts.ops["lln_scales"] == 0
     if mode == "off":
         assert alpha.item() == 0.5 and beta.item() == 0.25
+
+
+@pytest.mark.parametrize("stats", ["ema", "batch"])
+def test_fused_matcher_compiles_whole_and_folds_as_eager(gen, stats):
+    """``--attention-compile`` traces the matcher: no graph break, and the fold's in-place update of the buffers
+    survives functionalization (aot_eager): the same alpha, beta and buffers as eager, step after step."""
+    torch._dynamo.reset()
+    eager, traced = (MomentMatcher(head_dim=16, num_heads=4, per_head=True, stats=stats, impl="fused").train()
+                     for _ in range(2))
+    compiled = torch.compile(lambda q, k: traced(q, k), fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        q, k = ((s * torch.randn(2, 4, 9, 16, generator=gen)).half() for s in (2.0, 0.5))
+        for a, b in zip(eager(q, k), compiled(q, k)):
+            assert torch.equal(a, b)
+        for (name, a), b in zip(eager.named_buffers(), traced.buffers()):
+            assert torch.equal(a, b), name
