@@ -36,15 +36,15 @@ def _f64(x: tl.constexpr):
 
 
 @triton.jit
-def _variances(m_ptr, g, ok, G):
+def _variances(moments_ptr, g, ok, G):
     """var q, var k, count (float64) of groups g from moments (5, G): sum q, sum k, sum q², sum k², entries; variance 1
     where there is no entry."""
-    count = tl.load(m_ptr + 4 * G + g, mask=ok, other=0.0)
+    count = tl.load(moments_ptr + 4 * G + g, mask=ok, other=0.0)
     n = _clamp_min(count, 1.0)
-    mq = tl.load(m_ptr + g, mask=ok, other=0.0) / n
-    mk = tl.load(m_ptr + G + g, mask=ok, other=0.0) / n
-    vq = _clamp_min(tl.load(m_ptr + 2 * G + g, mask=ok, other=0.0) / n - mq * mq, 0.0)
-    vk = _clamp_min(tl.load(m_ptr + 3 * G + g, mask=ok, other=0.0) / n - mk * mk, 0.0)
+    mq = tl.load(moments_ptr + g, mask=ok, other=0.0) / n
+    mk = tl.load(moments_ptr + G + g, mask=ok, other=0.0) / n
+    vq = _clamp_min(tl.load(moments_ptr + 2 * G + g, mask=ok, other=0.0) / n - mq * mq, 0.0)
+    vk = _clamp_min(tl.load(moments_ptr + 3 * G + g, mask=ok, other=0.0) / n - mk * mk, 0.0)
     empty = count <= 0
     return tl.where(empty, 1.0, vq), tl.where(empty, 1.0, vk), count
 
@@ -80,13 +80,14 @@ def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, G, A: tl.constexpr, B: tl.
 
 
 @triton.jit
-def _fold(m_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+def _fold(moments_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, BATCH: tl.constexpr,
+          BLOCK: tl.constexpr):
     """buf <- m buf + (1 - m) var for each group whose variances are finite and that has entries (bq_ptr, bk_ptr: the
     float32 buffers (G,)); BATCH: m = min(1 - 1 / (n + 1), momentum) with n the batches folded (int64 at
     ``batches_ptr``), counted on when every group folded."""
     g = tl.arange(0, BLOCK)
     ok = g < G
-    vq, vk, count = _variances(m_ptr, g, ok, G)
+    vq, vk, count = _variances(moments_ptr, g, ok, G)
     finite = (vq < float("inf")) & (vk < float("inf")) & (count > 0)
     m = _f64(MOMENTUM)
     if BATCH:
