@@ -108,6 +108,33 @@ def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, 
     assert any(not torch.equal(a, b) for a, b in zip(values(), tf32))
 
 
+@pytest.mark.parametrize("bv", [None, 16])
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_causal_fused_shifts_are_the_parallel_forms_exactly(gen, monkeypatch, bv, side):
+    """The running key maxima the causal walk keeps (m_prev, m_incl, which its outputs and gradients use) equal the
+    parallel form's, bit for bit: D = 20 in feature blocks of 16 (the last partial), value columns whole or in blocks
+    of 16, a chunk wholly padded on the left (0 before any key) or a padded tail, and keys on both signs and scales
+    (a maximum taken over the wrong chunks, features, or padded keys shows)."""
+    from linattn.ops.lln import fused, parallel
+    from linattn.ops.lln.inputs import lln_inputs
+
+    if bv:
+        monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"BV": bv}}))
+    q, k, v = (t.detach() for t in inputs(gen, torch.float16, 37, dv=40))
+    k = k * torch.linspace(-3, 5, 20).half()  # per-feature scales, some features negative throughout
+    mask = None if side is None else torch.zeros(2, 37, dtype=torch.bool)
+    if side == "left":
+        mask[0, :11] = True  # chunk 0 (8 rows) wholly padded, chunk 1 partly
+    elif side == "right":
+        mask[1, 30:] = True
+    x = lln_inputs(q, k, v, ALPHA, BETA, mask, causal=True, chunk_size=8, upcast=False)
+    _, (_, m_incl, m_prev, *_) = fused.forward(x)
+    _, _, want_incl, want_prev = parallel._causal_shifts(x)
+    assert torch.equal(m_incl, want_incl) and torch.equal(m_prev, want_prev)
+    if side == "left":
+        assert (m_incl[0, :, :, 0] == 0).all() and (m_prev[:, :, :, 0] == 0).all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_fused_shifts_ignore_what_padded_keys_hold(gen, causal, side):

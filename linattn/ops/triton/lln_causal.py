@@ -3,12 +3,14 @@
 The shifts are the parallel implementation's (``lln/parallel.py``): m_prev (the running per-feature key maximum
 over *earlier* chunks), m_incl (over chunks <= c), a key's excess g_j >= 0 over m_prev, a query's running maximum
 rho_i of g in its chunk, and the query's own shift lse_i = max_d (m_prev_d + alpha q_id); all from the half inputs
-in the kernels (each chunk's key maximum: ``lln_key_max.py``; their running maximum over the chunks: one cummax).
+in the kernels (the running key maximum by ``_states`` as it walks the chunks).
 
 - ``_states``, grid (B*H, D / BF, Dv / BV): the state [S_c, z_c] (fp32) before every chunk c for a block of features,
-  S_(c+1) = e^(m_prev - m_incl) S_c + phi_k(m_incl)^T [v, 1] (phi_k referenced to m_incl, <= 1: its product with v
-  on tensor cores in the half dtype, fp32 accumulation). The only walk over the chunks, and a light one (a
-  (BF, C) x (C, BV) product a step); feature and value blocks are independent, so a head is several programs.
+  and their m_prev, m_incl; S_(c+1) = e^(m_prev - m_incl) S_c + phi_k(m_incl)^T [v, 1] (phi_k referenced to m_incl,
+  <= 1: its product with v on tensor cores in the half dtype, fp32 accumulation). The only walk over the chunks, and a
+  light one (a (BF, C) x (C, BV) product a step); feature and value blocks are independent, so a head is several
+  programs. Walking the chunks, it keeps the running key maximum too: no block-maximum kernel, cummax and copies
+  before it (five launches and a read of k fewer).
 - ``_outputs``, grid (chunks, B*H): every chunk at once from its stored state (g, rho and lse stored for the
   backward): W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by
   selection, so no output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q
@@ -38,7 +40,6 @@ from .common import (
     tile_at,
     wide_dot,
 )
-from .lln_key_max import key_block_max
 
 
 @triton.jit
@@ -46,7 +47,9 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D
             BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
             HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores the state before each chunk into
-    s (NC, D, DV+1) (its z column: the programs of l = 0)."""
+    s (NC, D, DV+1) and, the programs of l = 0, its z column and the shifts m_prev, m_incl (D, NC): the running
+    maximum of beta k over the unpadded keys of the chunks before c and up to c, 0 before any key (and where it is
+    not finite, as ``nan_to_num``)."""
     pid = tl.program_id(0)
     d = tl.program_id(1) * BF + tl.arange(0, BF)
     e = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -55,17 +58,24 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D
     beta = tl.load(beta_ptr + pid)
     s = tl.zeros((BF, BV), tl.float32)
     z = tl.zeros((BF,), tl.float32)
+    top = tl.full((BF,), float("-inf"), tl.float32)  # the running maximum, -inf before any key
+    mi = tl.zeros((BF,), tl.float32)
     for c in range(0, NC):
         state = s_ptr + ((pid * NC + c) * D + d) * (DV + 1)
         tl.store(state[:, None] + e[None, :], s, mask=dok[:, None] & eok[None, :])
         if tl.program_id(2) == 0:  # the ones column, once
             tl.store(state + DV, z, mask=dok)
         _, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
-        mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-        mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         bk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
                      other=0.0).to(tl.float32) * beta
-        fki = tl.exp(tl.where(key_ok[:, None] & dok[None, :], bk - mi[None, :], float("-inf")))  # phi_k to m_incl
+        live = key_ok[:, None] & dok[None, :]
+        top = tl.maximum(top, tl.max(tl.where(live, bk, float("-inf")), 0))
+        mp = mi
+        mi = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+        if tl.program_id(2) == 0:
+            tl.store(mp_ptr + (pid * D + d) * NC + c, mp, mask=dok)
+            tl.store(mi_ptr + (pid * D + d) * NC + c, mi, mask=dok)
+        fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))  # phi_k to m_incl
         vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
         decay = tl.exp(tl.minimum(mp - mi, 0.0))  # <= 1; S is 0 where m_prev had no key yet
         s = s * decay[:, None] + half_dot(tl.trans(fki), vv, HALF_TY, EMULATE)
@@ -129,10 +139,6 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     dv = v.shape[-1]
     fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    top = key_block_max(k, beta, mask_u8, mask is not None, chunk).cummax(-1).values  # M_c, -inf before any key
-    torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m_incl)
-    m_prev[..., 0] = 0.0
-    m_prev[..., 1:] = m_incl[..., :-1]
     sizes = dict(BC=block(chunk), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
                  FAIRSEQ=fairseq)
     walk = launch("lln_causal_states", d, dv)

@@ -1,8 +1,8 @@
 """The per-feature maximum of beta k over blocks of keys, padded keys left out: the key shifts of LLN's kernels
 (LLN eq. 8 features referenced to their maximum), read once from the half keys instead of through fp32 copies.
 
-``key_block_max`` is called inside the custom ops (``lln_causal``: the causal chunks' maxima, ``lln_noncausal``: a
-split's); it is no op of its own.
+``key_block_max`` is called inside the custom op ``lln_noncausal`` (a split's maxima; the causal op's ``_states``
+keeps its running maximum itself); it is no op of its own.
 """
 import torch
 import triton
