@@ -240,4 +240,8 @@ FUSED_MUTANTS = [
     M("triton-causal-shift-padded-keys", OPS + "triton/lln_causal.py", "        live = key_ok[:, None] & dok[None, :]\n"
       "        top = tl.maximum(", "        live = ok[:, None] & dok[None, :]\n        top = tl.maximum(",
       "the causal walk's key maximum takes padded keys in", ("tests/ops/test_lln_fused.py",)),
+    M("triton-causal-shift-first-chunk-unwritten", OPS + "triton/lln_causal.py", "        if tl.program_id(2) == 0:\n"
+      "            tl.store(mp_ptr", "        if c > 0:\n            tl.store(mp_ptr",
+      "the causal walk leaves the first chunk's shifts unwritten (whatever the new buffer held)",
+      ("tests/ops/test_lln_fused.py",), ("tests/ops/test_uninitialized_memory.py",)),
 ]
