@@ -53,7 +53,7 @@ HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100/H200 (sm_90), A100 (sm_80)
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
-                 "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr")
+                 "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr", "half_ptr")
 FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
 DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
@@ -79,11 +79,12 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
                     (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._local_grad, "lavo_local_grad")]
     return [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
             (lln_causal._states, "lln_causal_states", dict(BC=64, **common)),
-            (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, **common)),
+            (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, AVERAGED=False, **common)),  # LLN's; LLN+Diag's
+            # (AVERAGED: an fp32 out and its half copy) is the same code and one store more
             (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
             (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, V_AT_QK=True, **common)),
             (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
-            (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS)),
+            (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS, AVERAGED=False)),
             (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),
             (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
              dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),

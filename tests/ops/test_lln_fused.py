@@ -135,6 +135,32 @@ def test_causal_fused_shifts_are_the_parallel_forms_exactly(gen, monkeypatch, bv
         assert (m_incl[0, :, :, 0] == 0).all() and (m_prev[:, :, :, 0] == 0).all()
 
 
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_noncausal_fused_shift_is_the_parallel_forms_exactly(gen, monkeypatch, side):
+    """The per-feature key maximum m (which the output and the gradients use) over 3 splits of 16 keys, each split's
+    program taking it over every split's maximum: equal to the parallel form's bit for bit, a sequence whose first
+    split is all padding (left) or whose keys are all padding (0, as no key), D = 20."""
+    from linattn.ops.lln import fused, parallel
+    from linattn.ops.lln.inputs import lln_inputs
+    from linattn.ops.triton import lln_noncausal
+
+    monkeypatch.setattr(lln_noncausal, "ROWS", 16)
+    monkeypatch.setattr(lln_noncausal, "SPLIT_ROWS", 16)
+    q, k, v = (t.detach() for t in inputs(gen, torch.float16, 37, b=3))
+    k = k * torch.linspace(-3, 5, 20).half()
+    mask = None if side is None else torch.zeros(3, 37, dtype=torch.bool)
+    if side == "left":
+        mask[0, :20], mask[2] = True, True
+    elif side == "right":
+        mask[1, 3:] = True  # the last two splits' keys padded, the maximum is the first split's
+    x = lln_inputs(q, k, v, ALPHA, BETA, mask, causal=False, chunk_size=8, upcast=False)
+    _, (_, m, *_) = fused.forward(x)
+    want = parallel._noncausal_features(x)[2]
+    assert torch.equal(m, want)
+    if side == "left":
+        assert (m[2] == 0).all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_fused_shifts_ignore_what_padded_keys_hold(gen, causal, side):
@@ -219,6 +245,29 @@ def test_fused_runs_on_the_meta_device_forward_and_backward(causal):
     assert out.shape == (2, 2, 37, 12) and out.dtype == torch.float16
     out.sum().backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_averaged_forward_keeps_its_output_rounded_by_the_kernel(gen, dtype, causal):
+    """LLN+Diag's LLN part (``averaged``): the fp32 output the block kernel averages into, and the same output in the
+    half dtype, stored by the same kernel, that the backward keeps: exactly the fp32 one rounded (no conversion op
+    after the kernel); without ``averaged`` the op's output is already half and nothing more is written."""
+    from linattn.ops.lln import fused
+    from linattn.ops.lln.inputs import lln_inputs
+
+    q, k, v = (t.detach() for t in inputs(gen, DTYPES[dtype], 21))
+    x = lln_inputs(q, k, v, ALPHA, BETA, padding_mask(2, 21, "left", gen), causal=causal, chunk_size=8, upcast=False)
+    with count_dispatch() as counts:
+        out, (kept, *_) = fused.forward(x, averaged=True)
+    assert out.dtype == torch.float32 and kept.dtype == DTYPES[dtype] and counts.ops["_to_copy"] == 0
+    assert kept.stride() == out.stride()
+    if dtype == "float16":
+        assert torch.equal(kept, out.to(kept.dtype))
+    else:  # Triton's interpreter truncates a bfloat16 store (a GPU rounds it to nearest): within one ulp
+        torch.testing.assert_close(kept.float(), out, rtol=2**-7, atol=0)
+    plain, (same, *_) = fused.forward(x)
+    assert plain is same and torch.equal(plain, kept)
 
 
 @pytest.mark.parametrize("causal", [False, True])

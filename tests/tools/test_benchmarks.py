@@ -192,6 +192,7 @@ def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section
     assert "<!-- BEGIN ops -->" in text and "time at HEAD (ms)" in text and "no op slower than at HEAD" in text
 
 
+@pytest.mark.slow
 def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(tmp_path):
     """--processes 2: each point measured by two child processes; the row is their median, with the range."""
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"

@@ -84,12 +84,12 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, BH, H, N, D
 
 @triton.jit
 def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
-             den_ptr, BH, H, N, D, DV, SQK, SV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
+             half_ptr, den_ptr, BH, H, N, D, DV, SQK, SV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
-             WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+             WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, AVERAGED: tl.constexpr):
     """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
-    shifts g, rho, lse (C,). q, k, v (head strides SQK, SV) and out in fairseq's layout (FAIRSEQ) or contiguous
-    (``common.tile_at``)."""
+    shifts g, rho, lse (C,); AVERAGED: out in fp32 and, at ``half_ptr``, rounded to the half dtype too. q, k, v (head
+    strides SQK, SV) and out in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -122,18 +122,22 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     r = tl.exp(-rho)
     o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * wide_dot(fq, s, WIDE)
     den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
-    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), (o / den[:, None]).to(out_ptr.dtype.element_ty),
-             mask=ok[:, None] & eok[None, :])
+    o = o / den[:, None]
+    at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
+    tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & eok[None, :])
+    if AVERAGED:
+        tl.store(half_ptr + at, o.to(HALF_TY), mask=ok[:, None] & eok[None, :])
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
 @torch.library.custom_op("linattn::lln_causal", mutates_args=())
 def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor], chunk: int,
-               averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+               averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k (B,H,N,D), v (B,H,N,Dv) half; alpha, beta (B,H) fp32; mask (B,N) or None; ``chunk`` rows a chunk (<= N)
-    -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``), the states before each chunk s (B,H,nc,D,Dv+1), den
-    (B,H,N,1) and the shifts m_prev, m_incl (B,H,D,nc), g, rho, lse (B,H,nc,C), fp32."""
-    out, s, den, m_prev, m_incl, g, rho, lse = _empty(q, v, chunk, averaged)
+    -> out (B,H,N,Dv) (q's dtype, fp32 if ``averaged``), out in q's dtype if ``averaged`` (else empty), the states
+    before each chunk s (B,H,nc,D,Dv+1), den (B,H,N,1) and the shifts m_prev, m_incl (B,H,D,nc), g, rho, lse
+    (B,H,nc,C), fp32."""
+    out, half, s, den, m_prev, m_incl, g, rho, lse = _empty(q, v, chunk, averaged)
     b, h, n, d = q.shape
     nc = g.shape[2]
     dv = v.shape[-1]
@@ -144,9 +148,10 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     walk = launch("lln_causal_states", d, dv)
     _states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv, walk["BV"]))](
         k, v, beta, mask_u8, m_prev, m_incl, s, b * h, h, n, d, dv, sqk, sv, nc, chunk, **sizes, **walk)
-    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, den, b * h, h, n, d, dv, sqk, sv,
-                          nc, chunk, BD=block(d), BDV=block(dv), **sizes, **launch("lln_causal_outputs", d))
-    return out, s, den, m_prev, m_incl, g, rho, lse
+    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, half, den, b * h, h, n, d, dv,
+                          sqk, sv, nc, chunk, BD=block(d), BDV=block(dv), AVERAGED=averaged, **sizes,
+                          **launch("lln_causal_outputs", d))
+    return out, half, s, den, m_prev, m_incl, g, rho, lse
 
 
 @lln_causal.register_fake
@@ -160,6 +165,7 @@ def _empty(q: Tensor, v: Tensor, chunk: int, averaged: bool):
     nc = -(-n // chunk)
     f32 = dict(dtype=torch.float32)
     out = new_rows(q, dv, torch.float32 if averaged else q.dtype)  # averaged: fp32, read by LLN+Diag's block kernel
-    return (out, q.new_empty((b, h, nc, d, dv + 1), **f32), q.new_empty((b, h, n, 1), **f32),
+    half = new_rows(q, dv, q.dtype) if averaged else q.new_empty(0)  # averaged: what the backward keeps
+    return (out, half, q.new_empty((b, h, nc, d, dv + 1), **f32), q.new_empty((b, h, n, 1), **f32),
             q.new_empty((b, h, d, nc), **f32), q.new_empty((b, h, d, nc), **f32),
             *(q.new_empty((b, h, nc, chunk), **f32) for _ in range(3)))

@@ -1,7 +1,8 @@
 """Non-causal LLN (LLN eq. 8-9) in two kernels and one sum, as the custom op ``linattn::lln_noncausal``.
 
 ``_state``, grid (B*H, cdiv(S, SPLIT_ROWS)): each program sums the partial [S, z] = sum_j phi_k(k_j) [v_j, 1] of
-SPLIT_ROWS keys of one head, phi_k = exp(beta k_j - m) <= 1 (m: the per-feature key maximum), S on tensor cores from
+SPLIT_ROWS keys of one head, phi_k = exp(beta k_j - m) <= 1 (m: the per-feature key maximum, which each program takes
+over the splits' maxima from ``lln_key_max.py``: no reduction launched between them), S on tensor cores from
 half phi_k and v, fp32 accumulation; one ``sum`` over the split axis then gives [S, z] (deterministic, no atomics).
 One program per head would walk all S keys alone: at the training shapes (B*H = 12 to 24, S up to 32K) that is a
 tenth of an H100's 132 SMs; splitting the keys fills them, and the launches stay two kernels and one sum at any S.
@@ -36,18 +37,25 @@ SPLIT_ROWS = 1024  # keys per program of ``_state``, queries per program of the 
 
 
 @triton.jit
-def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D, DV, SQK, SV,
+def _state(k_ptr, v_ptr, beta_ptr, top_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D, DV, SQK, SV,
            BLOCK: tl.constexpr,
            BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
            FAIRSEQ: tl.constexpr):
     """One split of one head: part (D, DV+1) = [S, z] over its SPLIT keys (LLN eq. 9), padded keys excluded (k, v at
-    head strides SQK, SV: ``common.tile_at``)."""
+    head strides SQK, SV: ``common.tile_at``), phi_k shifted by m (D,), the maximum over the splits' key maxima top
+    (D, splits), 0 where no key (as ``nan_to_num``): stored by the first split's program for the readout."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     r = tl.arange(0, BLOCK)
     beta = tl.load(beta_ptr + pid)
-    m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
+    splits = tl.num_programs(1)
+    m = tl.full((BD,), float("-inf"), tl.float32)
+    for j in range(0, splits):
+        m = tl.maximum(m, tl.load(top_ptr + (pid * D + d) * splits + j, mask=d < D, other=float("-inf")))
+    m = tl.where((m > float("-inf")) & (m < float("inf")), m, 0.0)
+    if tl.program_id(1) == 0:
+        tl.store(m_ptr + pid * D + d, m, mask=d < D)
     s = tl.zeros((BD, BDV), tl.float32)
     z = tl.zeros((BD,), tl.float32)
     first = tl.program_id(1) * SPLIT
@@ -70,10 +78,11 @@ def _state(k_ptr, v_ptr, beta_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S, SPLIT, D
 
 
 @triton.jit
-def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, SQK, BLOCK: tl.constexpr,
+def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, half_ptr, den_ptr, BH, N, D, DV, SQK, BLOCK: tl.constexpr,
              BD: tl.constexpr,
-             BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator)."""
+             BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, AVERAGED: tl.constexpr):
+    """One block of queries of one head: out = phi_q S / max(phi_q z, TINY), den (the denominator); AVERAGED: out in
+    fp32 and, at ``half_ptr``, rounded to q's half dtype too."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
@@ -88,37 +97,38 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, den_ptr, BH, N, D, DV, SQK
     s, z = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
     den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
     o = wide_dot(fq, s, WIDE) / den[:, None]
-    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), o.to(out_ptr.dtype.element_ty),
-             mask=ok[:, None] & (e[None, :] < DV))
+    at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
+    tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (e[None, :] < DV))
+    if AVERAGED:
+        tl.store(half_ptr + at, o.to(q_ptr.dtype.element_ty), mask=ok[:, None] & (e[None, :] < DV))
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
 @torch.library.custom_op("linattn::lln_noncausal", mutates_args=())
 def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor],
-                  averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                  averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) half; alpha, beta (B,H) fp32; mask (B,S) or None -> out (B,H,N,Dv)
-    (q's dtype, fp32 if ``averaged``), s = [S, z] (B,H,D,Dv+1), den (B,H,N,1) and the per-feature key maximum m
-    (B,H,1,D) (0 where no key), fp32."""
-    out, s, den, m = _empty(q, v, averaged)
+    (q's dtype, fp32 if ``averaged``), out in q's dtype if ``averaged`` (else empty), s = [S, z] (B,H,D,Dv+1), den
+    (B,H,N,1) and the per-feature key maximum m (B,H,1,D) (0 where no key), fp32."""
+    out, half, s, den, m = _empty(q, v, averaged)
     b, h, n, d = q.shape
     dv = v.shape[-1]
     fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
     length = k.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
-    top = key_block_max(k, beta, mask_u8, mask is not None, SPLIT_ROWS).amax(-1)  # M_d, -inf where no key
-    torch.nan_to_num(top, 0.0, 0.0, 0.0, out=m.view(b, h, d))
+    top = key_block_max(k, beta, mask_u8, mask is not None, SPLIT_ROWS)  # each split's, -inf where no key
     splits = max(1, triton.cdiv(length, SPLIT_ROWS))
     part = s.new_empty((b, h, splits, d, dv + 1))  # each split's [S, z], summed below: deterministic, no atomics
-    _state[(b * h, splits)](k, v, beta, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, sqk, sv, BLOCK=ROWS,
+    _state[(b * h, splits)](k, v, beta, top, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, sqk, sv, BLOCK=ROWS,
                             FAIRSEQ=fairseq,
                             BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
-                                           FAIRSEQ=fairseq,
-                                           BD=block(d), BDV=block(dv), **launch("lln_noncausal_readout", d))
-    return out, s, den, m
+    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
+                                           FAIRSEQ=fairseq, BD=block(d), BDV=block(dv), AVERAGED=averaged,
+                                           **launch("lln_noncausal_readout", d))
+    return out, half, s, den, m
 
 
 @lln_noncausal.register_fake
@@ -130,5 +140,7 @@ def _empty(q: Tensor, v: Tensor, averaged: bool):
     b, h, n, d = q.shape
     dv = v.shape[-1]
     out = new_rows(q, dv, torch.float32 if averaged else q.dtype)  # averaged: fp32, read by LLN+Diag's block kernel
-    return (out, q.new_empty((b, h, d, dv + 1), dtype=torch.float32), q.new_empty((b, h, n, 1), dtype=torch.float32),
-            q.new_empty((b, h, 1, d), dtype=torch.float32))
+    half = new_rows(q, dv, q.dtype) if averaged else q.new_empty(0)  # averaged: what the backward keeps
+    f32 = dict(dtype=torch.float32)
+    return (out, half, q.new_empty((b, h, d, dv + 1), **f32), q.new_empty((b, h, n, 1), **f32),
+            q.new_empty((b, h, 1, d), **f32))
