@@ -255,4 +255,7 @@ FUSED_MUTANTS = [
     M("triton-noncausal-shift-first-split", OPS + "triton/lln_noncausal.py", "for j in range(0, splits):",
       "for j in range(0, 1):", "the non-causal key shift is the first split's maximum, not every split's",
       ("tests/ops/test_lln_fused.py",)),
+    M("fused-lln-backward-scales-swapped", OPS + "lln/fused.py", "out, *state, alpha, beta = saved",
+      "out, *state, beta, alpha = saved", "the backward reads the forward's kept beta for alpha",
+      ("tests/ops/test_lln_fused.py",)),
 ]

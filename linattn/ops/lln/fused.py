@@ -36,15 +36,16 @@ def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:
 def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:
     """LLN (B,H,N,Dv) in q's dtype (fp32 if ``averaged``) and what ``backward`` needs: the output in q's dtype (the
     kernels store it rounded beside the fp32 one if ``averaged``: no conversion after them), then non-causal (m, s,
-    den), causal (m_incl, m_prev, g, rho, lse, s, den)."""
+    den), causal (m_incl, m_prev, g, rho, lse, s, den), then alpha, beta one per head (B,H) as the kernels read them
+    (kept: the backward makes no copy of its own)."""
     alpha, beta = _per_head(x)
     if not x.causal:
         from ..triton.lln_noncausal import lln_noncausal
         out, half, s, den, m = lln_noncausal(x.q, x.k, x.v, alpha, beta, x.mask, averaged)
-        return out, (half if averaged else out, m, s, den)
+        return out, (half if averaged else out, m, s, den, alpha, beta)
     from ..triton.lln_causal import lln_causal
     out, half, s, den, m_prev, m_incl, g, rho, lse = lln_causal(x.q, x.k, x.v, alpha, beta, x.mask, x.chunk, averaged)
-    return out, (half if averaged else out, m_incl, m_prev, g, rho, lse, s, den)
+    return out, (half if averaged else out, m_incl, m_prev, g, rho, lse, s, den, alpha, beta)
 
 
 def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
@@ -53,8 +54,7 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
     ``triton/lln_noncausal_backward.py``)."""
     from ..triton.common import grads_of
 
-    alpha, beta = _per_head(x)
-    out, *state = saved
+    out, *state, alpha, beta = saved
     if not x.causal:
         from ..triton.lln_noncausal_backward import lln_noncausal_backward
         m, s, den = state
