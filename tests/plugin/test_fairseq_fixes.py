@@ -1,9 +1,11 @@
 """Each fix of ``fairseq_linattn.fairseq_fixes`` is still needed (stock fairseq/torch/NumPy fail without it, in a
 process without the plugin) and still works (the same step passes with the plugin imported)."""
+import json
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from helpers import ROOT
 
 CHECKPOINT = textwrap.dedent("""
@@ -42,27 +44,57 @@ BF16 = textwrap.dedent("""
 """)
 
 
-def run(code: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+# Each mode's three steps run one after another in one process, as ``python -c`` would run each (the plugin
+# imported first with "plugin"): two processes, not six (fairseq's import is most of a step's 3 s)
+DRIVER = textwrap.dedent("""
+    import contextlib, io, json, sys, traceback
+    out = {}
+    for name, code, *argv in json.loads(sys.argv[1]):
+        stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+        sys.argv = ["-c", *argv]
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                exec(compile(code, name, "exec"), {"__name__": "__main__"})
+            except SystemExit as exit:
+                status = exit.code if isinstance(exit.code, int) else (exit.code is not None)
+            except BaseException:
+                status, _ = 1, stderr.write(traceback.format_exc())
+        out[name] = (status, stdout.getvalue(), stderr.getvalue())
+    print(json.dumps(out))
+""")
 
 
-def test_fairseq_checkpoints_load_on_this_torch_only_with_the_fix(tmp_path):
-    stock = run(CHECKPOINT, str(tmp_path / "a.pt"), "stock")
-    assert stock.returncode != 0 and "weights_only" in stock.stderr, "fix no longer needed: " + stock.stderr[-2000:]
-    fixed = run(CHECKPOINT, str(tmp_path / "b.pt"), "plugin")
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """{mode: {step: (exit status, stdout, stderr)}} for mode "stock" (no plugin) and "plugin"."""
+    tmp = tmp_path_factory.mktemp("fixes")
+    out = {}
+    for mode in ("stock", "plugin"):
+        cases = [("checkpoint", CHECKPOINT, str(tmp / f"{mode}.pt"), mode), ("numpy", NUMPY, mode),
+                 ("bf16", BF16, mode, str(tmp))]
+        run = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[mode] = {name: tuple(v) for name, v in json.loads(run.stdout.splitlines()[-1]).items()}
+    return out
 
 
-def test_token_block_datasets_build_on_this_numpy_only_with_the_fix():
-    stock = run(NUMPY, "stock")
-    assert stock.returncode != 0 and "compat" in stock.stderr, "fix no longer needed: " + stock.stderr[-2000:]
-    fixed = run(NUMPY, "plugin")
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+def test_fairseq_checkpoints_load_on_this_torch_only_with_the_fix(steps):
+    code, _, err = steps["stock"]["checkpoint"]
+    assert code != 0 and "weights_only" in err, "fix no longer needed: " + err[-2000:]
+    code, _, err = steps["plugin"]["checkpoint"]
+    assert code == 0, err[-3000:]
 
 
-def test_bf16_stays_off_the_tpu_path_without_torch_xla_only_with_the_fix(tmp_path):
-    stock = run(BF16, "stock", str(tmp_path))
-    assert stock.returncode == 0 and "tpu True" in stock.stdout, "fix no longer needed: " + stock.stderr[-2000:]
-    fixed = run(BF16, "plugin", str(tmp_path))
-    assert fixed.returncode == 0 and "tpu False" in fixed.stdout, fixed.stderr[-3000:]
+def test_token_block_datasets_build_on_this_numpy_only_with_the_fix(steps):
+    code, _, err = steps["stock"]["numpy"]
+    assert code != 0 and "compat" in err, "fix no longer needed: " + err[-2000:]
+    code, _, err = steps["plugin"]["numpy"]
+    assert code == 0, err[-3000:]
+
+
+def test_bf16_stays_off_the_tpu_path_without_torch_xla_only_with_the_fix(steps):
+    code, out, err = steps["stock"]["bf16"]
+    assert code == 0 and "tpu True" in out, "fix no longer needed: " + err[-2000:]
+    code, out, err = steps["plugin"]["bf16"]
+    assert code == 0 and "tpu False" in out, err[-3000:]
