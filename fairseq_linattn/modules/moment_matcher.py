@@ -211,10 +211,10 @@ class MomentMatcher(nn.Module):
         modes with the line a x + b, where LLN's implementation resolves to ``fused`` for q like ``like``."""
         return self.mode in ("paper", "fit") and implementation_for(LLN_IMPLEMENTATIONS, self.impl, like) == "fused"
 
-    def _scales(self, like: Tensor, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def _scales(self, like: Tensor, fused: bool, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of moments (5, G) or, without them, the EMA buffers: one
-        launch where ``_fused``, else ``_match``'s two dozen."""
-        if not self._fused(like):
+        launch where ``fused`` (``_fused(like)``), else ``_match``'s two dozen."""
+        if not fused:
             var = torch.stack([self.ema_var_q, self.ema_var_k]) if moments is None else self._variances(moments)[0]
             return self._match(var, like)
         from linattn.ops.triton.moment_match import lln_scales
@@ -266,12 +266,13 @@ class MomentMatcher(nn.Module):
             return self._statistics(q, k, key_padding_mask, trained_on)
 
     def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
+        fused = self._fused(q)
         if self.stats == "batch":
             if self.training:
                 moments = self._training_moments(q, k, key_padding_mask)
                 if trained_on:
-                    moments = self._record(moments, like=q)
-                return self._scales(q, moments)
+                    moments = self._record(moments, fused)
+                return self._scales(q, fused, moments)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
             # Chosen on the device, with no host sync: (2, B, G) either way
@@ -279,11 +280,11 @@ class MomentMatcher(nn.Module):
             running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
             return self._match(torch.where(self.running_batches > 0, running, own), like=q)
         # the value from before this batch (computed first: the fold below updates the buffers in place)
-        alpha_beta = self._scales(q)
+        alpha_beta = self._scales(q, fused)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            self._record(self._training_moments(q, k, key_padding_mask), like=q)
+            self._record(self._training_moments(q, k, key_padding_mask), fused)
         return alpha_beta
 
     def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -291,16 +292,17 @@ class MomentMatcher(nn.Module):
         moments = self._moments(q, k, key_padding_mask)
         return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
-    def _record(self, moments: Tensor, like: Tensor) -> Tensor:
-        """A training forward's moments (of q like ``like``): pending (``folds_deferred``: returned as they are, the
-        rank's own) or folded now, all-reduced first when torch.distributed is initialised (returned all-reduced)."""
+    def _record(self, moments: Tensor, fused: bool) -> Tensor:
+        """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or folded
+        now (in one launch if ``fused``), all-reduced first when torch.distributed is initialised (returned
+        all-reduced)."""
         if _FLAGS.folds_deferred:
             self.pending_moments.add_(moments)
             return moments
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             moments = moments.clone()
             dist.all_reduce(moments)
-        self._fold_moments(moments, self._fused(like))
+        self._fold_moments(moments, fused)
         return moments
 
     def fold_pending(self) -> None:
@@ -344,5 +346,5 @@ class MomentMatcher(nn.Module):
         if self.stats != "ema" and self.mode != "off":
             raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
         if self.stats == "ema":
-            return self._scales(like)
+            return self._scales(like, self._fused(like))
         return self._match(torch.ones(2, 1, dtype=_F64, device=like.device), like=like)
