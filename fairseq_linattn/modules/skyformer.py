@@ -18,9 +18,6 @@ class SkyformerAttention(AttentionBase):
         c = self.config
         self.num_landmarks, self.landmark_mode = c.skyformer_landmarks, c.skyformer_landmark_mode
         self.exact_inverse = c.skyformer_exact_inverse
-        # q, k, v projected apart: the landmarks (rows of q and k) add their gradients to dq and dk outside the op,
-        # so packed gradients would be stacked anyway, and the parallel form keeps v (a view would hold q and k too)
-        self.packs_projections = False
 
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,

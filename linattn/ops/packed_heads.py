@@ -67,6 +67,15 @@ def packed_siblings(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and k.storage_offset() == q.storage_offset() + d and v.storage_offset() == k.storage_offset() + d)
 
 
+def kept_alone(x: Tensor) -> Tensor:
+    """x, or a contiguous copy of it if x is one part of a larger storage (as q, k, v of the module's packed
+    projection): what an op keeps of x for its backward then holds x's own bytes only (under ``torch.compile`` the
+    compiler decides what is kept: x as it is)."""
+    if torch.compiler.is_compiling() or x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+        return x
+    return x.contiguous()
+
+
 def _strided(x: Tensor, strides: Tuple[int, ...]) -> bool:
     """Whether x has these strides along its dimensions longer than 1."""
     return all(s == want for s, want, size in zip(x.stride(), strides, x.shape) if size > 1)

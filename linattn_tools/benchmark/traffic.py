@@ -43,9 +43,25 @@ class _Traffic(TorchDispatchMode):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-1].shape[1]
         elif name in ("bmm", "baddbmm"):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-2].shape[2] * ins[-1].shape[2]
-        self.rows.append((name, sum(_bytes(t) for t in ins + outs), flops,
-                          outs[0].dtype if outs else None))
+        self.rows.append((name, _moved(name, args, ins, outs), flops, outs[0].dtype if outs else None))
         return out
+
+
+GATHERS = ("gather", "index_select")  # (input, dim, index): reads as many of input's elements as they write
+SCATTERS = ("scatter_add_", "scatter_", "index_add_", "index_copy_")  # (self, dim, index, src or a scalar)
+
+
+def _moved(name: str, args, ins: List[torch.Tensor], outs: List[torch.Tensor]) -> int:
+    """Bytes an op reads and writes: its tensor inputs' and outputs' (``_bytes``), but a gather reads only as many of
+    its input's elements as it writes, and an in-place scatter reads and writes only the target's elements its index
+    addresses (index_add: its source's rows), besides the index and source."""
+    if name in GATHERS:
+        return _bytes(args[2]) + 2 * sum(_bytes(t) for t in outs)
+    if name in SCATTERS:  # scatter: an element of self per element of the index; index_add: a row per row of src
+        index, src = args[2], args[3]
+        touched = (src if name.startswith("index_") else index).numel() * args[0].element_size()
+        return _bytes(index) + (_bytes(src) if isinstance(src, torch.Tensor) else 0) + 2 * touched
+    return sum(_bytes(t) for t in ins + outs)
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -19,6 +19,22 @@ def test_traffic_counts_the_fused_causal_step_below_half_the_parallel_one():
     assert fused["seconds"] == pytest.approx(sum(fused["per_op"].values()))
 
 
+def test_traffic_counts_a_gather_and_an_in_place_scatter_by_the_rows_they_touch():
+    """A gather reads as many of its input's elements as it writes, an in-place scatter reads and writes as many of
+    its target's as its source holds (and both read the index, once where expanded): 8 rows of 1000 each, not all."""
+    x = torch.empty(4, 1000, 64, dtype=torch.float16, device="meta")
+    idx = torch.zeros(4, 8, 1, dtype=torch.long, device="meta").expand(4, 8, 64)  # a row index, as Skyformer's
+    src = torch.empty(4, 8, 64, dtype=torch.float16, device="meta")
+    with traffic._Traffic() as counter:
+        x.gather(1, idx)
+        x.scatter_add_(1, idx, src)
+        x.index_add_(1, idx[0, :, 0], src)
+        x.scatter_(1, idx, 1.0)
+    rows = 4 * 8 * 64 * 2  # bytes of the 8 rows touched in each of the 4
+    assert [r[:2] for r in counter.rows] == [("gather", 4 * 8 * 8 + 2 * rows), ("scatter_add_", 4 * 8 * 8 + 3 * rows),
+                                             ("index_add_", 8 * 8 + 3 * rows), ("scatter_", 4 * 8 * 8 + 2 * rows)]
+
+
 def test_profile_step_prints_the_step_table_on_the_cpu():
     text = profile_step.table("lln", True, 32, 64, "float32", "parallel", "cpu", steps=1, rows=5)
     head, bound = text.splitlines()[:2]

@@ -1,19 +1,29 @@
 """Skyformer's fused implementation: the Nyström apply in Triton kernels registered as custom ops
 (``ops/triton/nystrom.py``, ``ops/triton/nystrom_backward.py``; docs/design.md §1.3.1), forward and backward.
 
-``inputs`` gathers the landmarks L (B,H,d,D) from the half rows of Q and K and computes M^-1 (B,H,d,d) under autograd,
-in fp32, as the parallel implementation; the kernels form C_Q and C_K in registers from the half q, k and L, and hand
-autograd dL/dL and dL/dM^-1 besides dq, dk, dv. ``supports`` says which inputs the kernels take; others run
+``inputs`` gathers the landmarks L (B,H,d,D) from the half rows of Q and K, ``forward`` computes M^-1 (B,H,d,d), both
+in fp32 and without autograd; the kernels form C_Q and C_K in registers from the half q, k and L, and give dL/dL and
+dL/dM^-1 besides dq, dk, dv. ``backward`` carries dL/dM^-1 to L by the iteration's own derivative and adds dL/dL into
+the landmarks' rows of dq and dk (as ``looped``): no dense gradient of a gather, and dq, dk, dv stay the packed
+gradient the module's projection takes without a copy. ``supports`` says which inputs the kernels take; others run
 ``parallel``.
 """
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from ..impls import fits_shared_memory
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from ..precision import compute_dtype
-from .nystrom import Landmarks, NystromInputs, gather_landmarks, landmark_inverse
+from .nystrom import (
+                      Landmarks,
+                      NystromInputs,
+                      add_landmark_grads,
+                      gather_landmarks,
+                      landmark_inverse_grad,
+                      landmark_inverse_saved,
+)
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
 SHARED_MEMORY_KIB = {64: 152, 128: 216}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
@@ -31,25 +41,32 @@ def supports(q: Tensor, v: Tensor, num_landmarks: int = 128) -> bool:
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, rows: Landmarks, pad: Optional[Tensor], gamma: float,
            exact_inverse: bool) -> NystromInputs:
-    """q, k, v (B,H,N,·) half as given; L (B,H,d,D) and M^-1 (B,H,d,d) in fp32 under autograd (which carries their
-    gradient back to q and k); used_cols (B,d) 1 or 0 per slot, fp32."""
-    land = gather_landmarks(q, k, rows.idx, pad)
-    m_inv = landmark_inverse(land, rows.used, gamma, exact_inverse)
-    return NystromInputs(v=v, land=land, m_inv=m_inv, pad=pad, q=q, k=k, used_cols=rows.used.to(compute_dtype(q)))
+    """q, k, v (B,H,N,·) half as given; L (B,H,d,D) fp32 made without autograd (``backward`` adds its gradient into
+    dq, dk); the landmark rows idx, used (B,d), and used_cols (B,d) 1 or 0 per slot, fp32; M^-1 is ``forward``'s."""
+    with torch.no_grad():
+        land = gather_landmarks(q, k, rows.idx, pad)
+    return NystromInputs(v=v, land=land, pad=pad, q=q, k=k, idx=rows.idx, used=rows.used,
+                         used_cols=rows.used.to(compute_dtype(q)), gamma=gamma, exact_inverse=exact_inverse)
 
 
-def forward(x: NystromInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
-    """out (B,H,N,Dv) in q's dtype, and (T, U) (B,H,d,Dv) fp32 for ``backward``."""
+def forward(x: NystromInputs) -> Tuple[Tensor, tuple]:
+    """out (B,H,N,Dv) in q's dtype, and for ``backward``: (T, U) (B,H,d,Dv) fp32, M^-1 (B,H,d,d) and what its
+    gradient takes (``landmark_inverse_saved``)."""
     from ..triton.nystrom import nystrom_apply
-    out, t, u = nystrom_apply(x.q, x.k, x.v, x.land, x.m_inv, x.used_cols, x.pad)
-    return out, (t, u)
+    m_inv, inverse_saved = landmark_inverse_saved(x.land, x.used, x.gamma, x.exact_inverse)
+    out, t, u = nystrom_apply(x.q, x.k, x.v, x.land, m_inv, x.used_cols, x.pad)
+    return out, (t, u, m_inv, *inverse_saved)
 
 
-def backward(x: NystromInputs, saved: Tuple[Tensor, Tensor], grad: Tensor) -> NystromInputs:
-    """dq, dk, dv in the inputs' dtype, dL/dL (B,H,d,D) and dL/dM^-1 (B,H,d,d) fp32."""
+def backward(x: NystromInputs, saved: tuple, grad: Tensor) -> NystromInputs:
+    """dq, dk, dv in the inputs' dtype: the kernel's, plus dL/dL (from the kernel, and through M^-1) added into the
+    landmarks' rows of dq and dk in place (views of one tensor for the module's packed q, k, v: no copy after)."""
     from ..triton.common import grads_of
     from ..triton.nystrom_backward import nystrom_apply_backward
 
-    *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, x.m_inv, x.used_cols, x.pad, *saved)
-    dq, dk, dv = grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
-    return NystromInputs(v=dv, land=dland, m_inv=dm_inv, q=dq, k=dk)
+    t, u, m_inv, *inverse_saved = saved
+    *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, m_inv, x.used_cols, x.pad, t, u)
+    dq, dk, dv = grads_of(*grads, x.q.shape[-1])
+    dland += landmark_inverse_grad(x.land, x.used, x.gamma, x.exact_inverse, tuple(inverse_saved), dm_inv)
+    add_landmark_grads(dq, dk, dland, x.idx, x.pad)
+    return NystromInputs(q=dq, k=dk, v=dv)

@@ -58,50 +58,60 @@ def newton_schulz_inverse(m_hat: Tensor, steps: int = NEWTON_STEPS) -> Tensor:
     return _newton_forward(m_hat, _initial(m_hat)[0], steps, _constants(m_hat))[0]
 
 
+def inverse_forward(land: Tensor, keep: Tensor, gamma: float, steps: int = NEWTON_STEPS):
+    """M^-1 ≈ S Z S (B,H,d,d) for M = kappa(L, L) * keep + gamma I, S = diag(M 1)^(-1/2) and Z the iteration's
+    inverse of A = S M S (Skyformer §4.4), land (B,H,d,D), keep (B,1,d,d) bool; and what ``inverse_backward`` needs:
+    L, S, kappa(L, L), M, A, Z and the iteration's tape, 2·steps + 4 small (B·H,d,d) tensors."""
+    shape = (*land.shape[:-1], land.shape[-2])
+    l3 = land.flatten(0, 1)
+    sq = (l3 * l3).sum(-1)
+    # kappa(L, L) = exp(L L^T - |L_i|²/2 - |L_j|²/2), the exponent <= 0 but for rounding
+    e = torch.baddbmm(sq[:, :, None] + sq[:, None, :], l3, l3.mT, beta=-0.5).clamp_max_(0.0).exp_()
+    m = (e.view(shape) * keep).flatten(0, 1)
+    m.diagonal(dim1=-2, dim2=-1).add_(gamma)  # + gamma I
+    consts = _constants(m)
+    s = m.sum(-1).rsqrt()  # every entry of M >= 0 and its diagonal > 0
+    ss = s[:, :, None] * s[:, None, :]
+    a = m * ss
+    z0, c = _initial(a)
+    z, tape = _newton_forward(a, z0, steps, consts)
+    return (z * ss).view(shape), (land, keep, e, m, a, c, s, z, *consts, *tape)
+
+
+def inverse_backward(saved, grad: Tensor) -> Tensor:
+    """dL/dL (B,H,d,D) from dL/dM^-1 (B,H,d,d) and ``inverse_forward``'s saved tensors."""
+    land, keep, e, m, a, c, s, z, i7, i15, i13, *tape = saved
+    g, l3, ss = grad.flatten(0, 1), land.flatten(0, 1), s[:, :, None] * s[:, None, :]
+    da, dz0 = _newton_backward(a, tape, g * ss, (i7, i15, i13))  # out = Z ⊙ ss
+    # Z_0 = A^T / c, c = max_j sum_i A_ij (ties share the gradient, as autograd's amax)
+    w0 = dz0.mT / c
+    da = da.add_(w0)
+    hit = (a.sum(-2) == c[:, :, 0]).to(a.dtype)
+    dc = (w0 * a).sum((-2, -1), keepdim=True).div_(c * hit.sum(-1)[:, None, None])
+    da = da.sub_(dc * hit[:, None, :])
+    # A = M ⊙ ss, ss = s s^T, s_i = (sum_j M_ij)^(-1/2)
+    dss = torch.addcmul(g * z, da, m)
+    ds = torch.bmm(dss + dss.mT, s[:, :, None])
+    dm = torch.add(da * ss, ds * s[:, :, None] ** 3, alpha=-0.5)
+    # M = kappa(L, L) ⊙ keep + gamma I, kappa = exp(E), E = L L^T - |L_i|²/2 - |L_j|²/2 (Skyformer §4.1):
+    # with G = dE + dE^T, dL = G L - rowsum(G) L
+    de = (dm.view(*land.shape[:2], *dm.shape[1:]) * keep).flatten(0, 1).mul_(e)
+    de = de + de.mT
+    return torch.baddbmm(de.sum(-1, keepdim=True) * l3, de, l3, beta=-1).view(land.shape)
+
+
 class _KernelInverse(torch.autograd.Function):
-    """M^-1 ≈ S Z S for M = kappa(L, L) * keep + gamma I, S = diag(M 1)^(-1/2) and Z the iteration's inverse of
-    A = S M S (Skyformer §4.4). land (B,H,d,D), keep (B,1,d,d) bool -> (B,H,d,d). Saves L, S, kappa(L, L), M, A,
-    Z and the iteration's tape: 2·steps + 4 small (B,H,d,d) tensors."""
+    """``inverse_forward`` under autograd, with ``inverse_backward`` (the iteration's exact derivative)."""
 
     @staticmethod
     def forward(ctx, land, keep, gamma: float, steps: int):
-        shape = (*land.shape[:-1], land.shape[-2])
-        l3 = land.flatten(0, 1)
-        sq = (l3 * l3).sum(-1)
-        # kappa(L, L) = exp(L L^T - |L_i|²/2 - |L_j|²/2), the exponent <= 0 but for rounding
-        e = torch.baddbmm(sq[:, :, None] + sq[:, None, :], l3, l3.mT, beta=-0.5).clamp_max_(0.0).exp_()
-        m = (e.view(shape) * keep).flatten(0, 1)
-        m.diagonal(dim1=-2, dim2=-1).add_(gamma)  # + gamma I
-        consts = _constants(m)
-        s = m.sum(-1).rsqrt()  # every entry of M >= 0 and its diagonal > 0
-        ss = s[:, :, None] * s[:, None, :]
-        a = m * ss
-        z0, c = _initial(a)
-        z, tape = _newton_forward(a, z0, steps, consts)
-        ctx.save_for_backward(land, keep, e, m, a, c, s, z, *consts, *tape)
-        return (z * ss).view(shape)
+        out, saved = inverse_forward(land, keep, gamma, steps)
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        land, keep, e, m, a, c, s, z, i7, i15, i13, *tape = ctx.saved_tensors
-        g, l3, ss = grad.flatten(0, 1), land.flatten(0, 1), s[:, :, None] * s[:, None, :]
-        da, dz0 = _newton_backward(a, tape, g * ss, (i7, i15, i13))  # out = Z ⊙ ss
-        # Z_0 = A^T / c, c = max_j sum_i A_ij (ties share the gradient, as autograd's amax)
-        w0 = dz0.mT / c
-        da = da.add_(w0)
-        hit = (a.sum(-2) == c[:, :, 0]).to(a.dtype)
-        dc = (w0 * a).sum((-2, -1), keepdim=True).div_(c * hit.sum(-1)[:, None, None])
-        da = da.sub_(dc * hit[:, None, :])
-        # A = M ⊙ ss, ss = s s^T, s_i = (sum_j M_ij)^(-1/2)
-        dss = torch.addcmul(g * z, da, m)
-        ds = torch.bmm(dss + dss.mT, s[:, :, None])
-        dm = torch.add(da * ss, ds * s[:, :, None] ** 3, alpha=-0.5)
-        # M = kappa(L, L) ⊙ keep + gamma I, kappa = exp(E), E = L L^T - |L_i|²/2 - |L_j|²/2 (Skyformer §4.1):
-        # with G = dE + dE^T, dL = G L - rowsum(G) L
-        de = (dm.view(*land.shape[:2], *dm.shape[1:]) * keep).flatten(0, 1).mul_(e)
-        de = de + de.mT
-        dl = torch.baddbmm(de.sum(-1, keepdim=True) * l3, de, l3, beta=-1)
-        return dl.view(land.shape), None, None, None
+        return inverse_backward(ctx.saved_tensors, grad), None, None, None
 
 
 def kernel_inverse(land: Tensor, keep: Tensor, gamma: float, steps: int = NEWTON_STEPS) -> Tensor:

@@ -16,9 +16,11 @@ from .nystrom import (
                       KernelColumns,
                       Landmarks,
                       NystromInputs,
+                      add_landmark_grads,
                       gather_landmarks,
                       kernel_rows,
                       landmark_inverse,
+                      landmark_inverse_grad,
                       upcast_qk,
 )
 
@@ -83,7 +85,7 @@ def backward(x: NystromInputs, saved: Tuple[Tensor, Tensor], grad: Tensor) -> Ny
     """dq, dk, dv (B,H,N,·) in the compute dtype from dL/d(out) (B,H,N,Dv) and ``forward``'s (T, U)."""
     q, k, v, pad, land, idx = x.q, x.k, x.v, x.pad, x.land, x.idx
     t, u = saved
-    (b, h, n, dim), cols, step = q.shape, _columns(x), _rows_per_pass(x)
+    n, cols, step = q.shape[2], _columns(x), _rows_per_pass(x)
     scale = cols.scale
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dland, du = torch.zeros_like(land), None
@@ -103,17 +105,8 @@ def backward(x: NystromInputs, saved: Tuple[Tensor, Tensor], grad: Tensor) -> Ny
         torch.matmul(ck, dt, out=dv[:, :, r0:r1])
         dks = _kernel_input_grad(vc @ dt.transpose(-1, -2), ck, ks, land, dland)
         torch.mul(dks, scale, out=dk[:, :, r0:r1])
-    with torch.enable_grad():  # through M^-1 = f(kappa(L, L)): a (d×d) graph, rebuilt
-        lg = land.detach().requires_grad_()
-        dland += torch.autograd.grad(landmark_inverse(lg, x.used, x.gamma, x.exact_inverse), lg,
-                                     t @ du.transpose(-1, -2))[0]  # dL/dM^-1 = T dU^T
-    dland.mul_(scale)
-    if pad is not None:
-        dland.masked_fill_(pad.gather(1, idx % n)[:, None, :, None], 0.0)
-    from_q = (idx < n)[:, None, :, None]
-    rows = lambda i: i[:, None, :, None].expand(b, h, idx.shape[1], dim)
-    dq.scatter_add_(2, rows(idx.clamp_max(n - 1)), dland * from_q)
-    dk.scatter_add_(2, rows((idx - n).clamp_min(0)), dland * ~from_q)
+    dland += landmark_inverse_grad(land, x.used, x.gamma, x.exact_inverse, (), t @ du.transpose(-1, -2))  # T dU^T
+    add_landmark_grads(dq, dk, dland, idx, pad)
     if pad is not None:
         for g in (dq, dk, dv):
             g.masked_fill_(pad[:, None, :, None], 0.0)

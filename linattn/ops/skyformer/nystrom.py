@@ -8,7 +8,7 @@ from torch import Tensor
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..kernelized.kernel import check_non_causal, gaussian_kernel, kernel_scale
 from ..precision import compute_dtype
-from .inverse import kernel_inverse
+from .inverse import inverse_backward, inverse_forward, kernel_inverse
 
 MODES = ("stratified", "uniform")
 GAMMA = 0.1  # ridge added to kappa(L, L) (Skyformer §4.4)
@@ -154,14 +154,52 @@ def gather_landmarks(q: Tensor, k: Tensor, idx: Tensor, key_padding_mask: Option
     return land
 
 
+def _keep(used: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
+    """I (d,d) in like's dtype, and which entries of kappa(L, L) M keeps (B,1,d,d) bool: pairs of used slots and the
+    diagonal (an unused slot is an inert identity block)."""
+    eye = torch.eye(used.shape[1], dtype=like.dtype, device=like.device)
+    return eye, (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()
+
+
 def landmark_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tensor:
     """M^-1 (B,H,d,d) for M = kappa(L, L) + gamma I (Skyformer §4.4); unused slots an inert identity block."""
-    eye = torch.eye(used.shape[1], dtype=land.dtype, device=land.device)
-    keep = (used[:, :, None] & used[:, None, :])[:, None] | eye.bool()
+    eye, keep = _keep(used, land)
     if not exact_inverse:
         return kernel_inverse(land, keep, gamma)
     m = gaussian_kernel(land, land) * keep + gamma * eye  # M = kappa(L, L) + gamma I
     return torch.linalg.pinv(m, hermitian=True)
+
+
+def landmark_inverse_saved(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tuple[Tensor, tuple]:
+    """``landmark_inverse`` without autograd, and what ``landmark_inverse_grad`` takes: the iteration's tensors
+    (``inverse_forward``), none for ``exact_inverse`` (its graph is rebuilt)."""
+    if exact_inverse:
+        return landmark_inverse(land, used, gamma, exact_inverse), ()
+    return inverse_forward(land, _keep(used, land)[1], gamma)
+
+
+def landmark_inverse_grad(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool, saved: tuple,
+                          grad: Tensor) -> Tensor:
+    """dL/dL (B,H,d,D) through M^-1 from dL/dM^-1 (B,H,d,d): by the iteration's derivative from
+    ``landmark_inverse_saved``'s tensors, or, with none, through M^-1's small (d×d) graph, rebuilt."""
+    if saved:
+        return inverse_backward(saved, grad)
+    with torch.enable_grad():
+        lg = land.detach().requires_grad_()
+        return torch.autograd.grad(landmark_inverse(lg, used, gamma, exact_inverse), lg, grad)[0]
+
+
+def add_landmark_grads(dq: Tensor, dk: Tensor, dland: Tensor, idx: Tensor, pad: Optional[Tensor]) -> None:
+    """Add dL/dL (B,H,d,D), the gradient of ``gather_landmarks``' rows, into the rows of dq, dk (B,H,N,D) they came
+    from, in place and in their dtype: no dense gradient of a gather. Rows padded in ``pad`` (B,N) get nothing."""
+    b, h, n, dim = dq.shape
+    dland = dland * kernel_scale(dq)  # L = X[idx] * D^(-1/4) (eq. 4)
+    if pad is not None:
+        dland = dland.masked_fill_(pad.gather(1, idx % n)[:, None, :, None], 0.0)
+    from_q = (idx < n)[:, None, :, None]
+    rows = lambda i: i[:, None, :, None].expand(b, h, idx.shape[1], dim)
+    dq.scatter_add_(2, rows(idx.clamp_max(n - 1)), torch.where(from_q, dland, 0.0).to(dq.dtype))
+    dk.scatter_add_(2, rows((idx - n).clamp_min(0)), torch.where(from_q, 0.0, dland).to(dk.dtype))
 
 
 def kernel_rows(x: Tensor, cols: KernelColumns, r0: int, r1: int, zero_padded: bool = False, inplace: bool = True):

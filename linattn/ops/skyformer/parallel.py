@@ -3,8 +3,8 @@ of X = [Q; K] at once, in a number of batched ops that does not depend on N (doc
 
 ``inputs`` gathers the landmarks L from X and computes M^-1 under autograd ((B,H,d,·) tensors: autograd carries their
 gradient back to X); ``forward`` builds [C_Q; C_K] = kappa(X, L) (B,H,2N,d) whole, ``backward`` rebuilds it. X and V
-stay in their own dtype (half is saved as half) and are upcast inside; also kept are the (B,H,d,Dv) products
-T = C_K^T V and U = M^-T T.
+stay in their own dtype (half is saved as half; V apart from any packed projection it is part of) and are upcast
+inside; also kept are the (B,H,d,Dv) products T = C_K^T V and U = M^-T T.
 """
 from typing import Optional, Tuple
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..kernelized.kernel import kernel_scale
+from ..packed_heads import kept_alone
 from ..precision import compute_dtype
 from .nystrom import Landmarks, NystromInputs, landmark_inverse
 
@@ -28,8 +29,9 @@ def inputs(q: Tensor, k: Tensor, v: Tensor, rows: Landmarks, pad: Optional[Tenso
     if pad is not None:
         land = land.masked_fill(pad2.gather(1, idx)[:, None, :, None], 0.0)  # an unused slot may point at one
     m_inv = landmark_inverse(land, rows.used, gamma, exact_inverse)
-    return NystromInputs(v=v, land=land, m_inv=m_inv, pad=pad, qk=x, used_cols=rows.used[:, None, None, :].to(ct),
-                         pad2=pad2)
+    # kept for backward: v alone, not the packed projection it may be a part of (X is a new tensor)
+    return NystromInputs(v=kept_alone(v), land=land, m_inv=m_inv, pad=pad, qk=x,
+                         used_cols=rows.used[:, None, None, :].to(ct), pad2=pad2)
 
 
 def _scaled_rows(x: Tensor, ct: torch.dtype, pad2: Optional[Tensor]) -> Tensor:
