@@ -26,7 +26,7 @@ from .nystrom import (
 )
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
-SHARED_MEMORY_KIB = {64: 152, 128: 216}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
+SHARED_MEMORY_KIB = {64: 152, 128: 192}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
 
 
 def supports(q: Tensor, v: Tensor, num_landmarks: int = 128) -> bool:

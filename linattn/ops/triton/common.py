@@ -52,8 +52,11 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_moment_fold": dict(num_warps=1, num_stages=1, enable_fp_fusion=False)}
 
 # At D or Dv over 64 (blocks of 128): within an H100's 227 KiB of shared memory a block (the Nyström backward's
-# tf32 operands take 272 KiB), and fewer spills at 8 warps (``kernel_resources``)
-LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False), "lln_noncausal_state": dict(num_warps=8),
+# tf32 operands take 272 KiB), and fewer spills (``kernel_resources``, sm_90, bytes a thread, Triton 3.6 / 3.9): the
+# Nyström backward in steps of 16 rows on 16 warps (10.7 KiB / 11.3 at 32 rows on 8 -> 0.2 / 0.8), the block
+# softmax on 8 warps (0.3 / 0.3 -> 0 / 0), LLN's non-causal ``_state_grad`` on 16 (0.5 / 0.1 -> 0.2 / 0.1)
+LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
+              "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}
 
 

@@ -92,6 +92,14 @@ def test_padded_rows_reach_nothing_whatever_they_hold(gen, side):
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_with_wide_heads_matches_the_reference(gen, dtype):
+    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's exact products, 16 rows a step:
+    N = 37 in three steps, the last one partial)."""
+    q, k, v = inputs(gen, DTYPES[dtype], 37, d=72, dv=80)
+    check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 37, "left", gen), num_landmarks=24)
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_unused_landmark_slots_on_padded_rows_reach_nothing(gen, side):
     """A sequence with 4 real tokens of 13 and 16 landmarks (8 from Q, 8 from K): its unused slots point at padded
