@@ -1,6 +1,6 @@
 """The mutants of the fused implementation (Triton kernels, run by the interpreter in the tests); ``dev.mutants``
 lists them with the others."""
-from .mutant import LAVO_FUSED_T, MOD, OPS, SKY_FUSED_T, Mutant
+from .mutant import LAVO_FUSED_T, MOD, MODULE_T, OPS, SKY_FUSED_T, Mutant
 
 M = Mutant
 MATCH_T = ("tests/ops/test_moment_match_fused.py",)
@@ -137,6 +137,24 @@ FUSED_MUTANTS = [
       "(rel <= 1) & (rel > -W) if CAUSAL", "a causal query sees the next key", LAVO_FUSED_T),
     M("triton-lavo-bias-offset", OPS + "triton/lavo.py", "(2 * W - 1) + rel + W - 1, mask=allowed",
       "(2 * W - 1) + rel + W, mask=allowed", "the relative bias is read one offset off (P[j - t + w])", LAVO_FUSED_T),
+    M("triton-lavo-order-ignored", OPS + "triton/lavo.py", "    if ORDERED:\n        return tl.load(order_ptr",
+      "    if False:\n        return tl.load(order_ptr",
+      "the kernels read and write the tokens' own rows, not the order's", LAVO_FUSED_T),
+    M("triton-lavo-order-values", OPS + "triton/lavo.py", "v = tl.load(v_ptr + tile_at(pid, k_rows,",
+      "v = tl.load(v_ptr + tile_at(pid, pos,", "values read at the keys' positions, not their rows",
+      LAVO_FUSED_T),
+    M("triton-lavo-order-out", OPS + "triton/lavo.py", "tl.store(out_ptr + tile_at(pid, tokens,",
+      "tl.store(out_ptr + tile_at(pid, t,", "the output written at the positions, not the tokens' rows", LAVO_FUSED_T),
+    M("triton-lavo-bwd-order-grad", OPS + "triton/lavo_backward.py",
+      "g = tl.load(grad_ptr + tile_at(pid, tokens, d, N, D, BH, FAIRSEQ)",
+      "g = tl.load(grad_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ)",
+      "the memory's backward reads the output gradient at the positions", LAVO_FUSED_T),
+    M("triton-lavo-bwd-order-keys", OPS + "triton/lavo_backward.py",
+      "at = tile_at(pid, memory_rows(order_ptr, pid, H, N, pos, ORDERED), d, N, SQK, BH, FAIRSEQ)",
+      "at = tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ)", "dk, dv written at the keys' positions", LAVO_FUSED_T),
+    M("lavo-module-positions-padded", MOD + "lavo.py", "impl=self.config.attention_impl, real_first=True)",
+      "impl=self.config.attention_impl, real_first=False)", "LAVO's windows count padded tokens as positions",
+      MODULE_T),
     M("triton-lavo-memory-padded", OPS + "triton/lavo.py", "tl.sum(tl.where(tok[:, None], xl, 0.0), 0)",
       "tl.sum(xl, 0)", "padded tokens' local outputs enter the memory", LAVO_FUSED_T),
     M("triton-lavo-coef", OPS + "triton/lavo.py", "(coef * xl + glob)", "(0.5 * xl + glob)",

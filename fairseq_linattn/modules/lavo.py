@@ -26,12 +26,12 @@ class LAVOAttention(AttentionBase):
                                   requires_grad=not self.config.lavo_freeze_bases)
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
 
-    @over_real_tokens
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         if self.cross:
             return self.attend_source(q, self.source_state(v, key_padding_mask))
+        # windows count each row's real tokens, padding anywhere (the fused kernels read the rows in that order)
         return ops.lavo_attention(q, k, v, self.bases, self.pos_bias, window=self.window, causal=self.causal,
-                                  key_padding_mask=key_padding_mask, impl=self.config.attention_impl)
+                                  key_padding_mask=key_padding_mask, impl=self.config.attention_impl, real_first=True)
 
     def source_state(self, v, key_padding_mask):
         """The source memory (LAVO eq. 3): mean (B, H, r) of B v_j over real source tokens, and their count (B,)."""

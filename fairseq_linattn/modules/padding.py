@@ -3,7 +3,7 @@ method runs over each row's real tokens, put first (``linattn.ops.real_tokens``)
 themselves."""
 import functools
 
-from linattn.ops.real_tokens import real_first_order, rows_in_real_first_order, take_tokens, token_rows
+from linattn.ops.real_tokens import over_reordered_tokens, real_first_order, rows_in_real_first_order
 
 
 def over_real_tokens(fn):
@@ -15,10 +15,7 @@ def over_real_tokens(fn):
         reordered = None if self.cross else real_first_order(key_padding_mask)
         if reordered is None:
             return fn(self, q, k, v, key_padding_mask, *args, **kwargs)
-        order, mask = reordered
-        rows = token_rows(order)
-        out = fn(self, take_tokens(q, rows), take_tokens(k, rows), take_tokens(v, rows), mask, *args, **kwargs)
-        return take_tokens(out, rows, back=True)  # in fairseq's layout: the heads merge without a copy
+        return over_reordered_tokens(functools.partial(fn, self), q, k, v, *reordered, *args, **kwargs)
     return run
 
 

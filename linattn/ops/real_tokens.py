@@ -83,6 +83,16 @@ def _along_tokens(index: Tensor, like: Tensor) -> Tensor:
     return index[:, None, :, None].expand(like.shape)
 
 
+def over_reordered_tokens(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, order: Tensor, mask: Tensor,
+                          *args, **kwargs) -> Tensor:
+    """``fn(q, k, v, mask, *args, **kwargs)`` (q, k, v (B,H,N,·), output (B,H,N,·)) over q, k, v taken in the order
+    ``order`` (B,N) (``real_first_order``'s, with ``mask`` in that order), its output put back in fairseq's layout
+    (``take_tokens``: a view of a new (N,B,H,·) tensor, whose heads a module merges without a copy)."""
+    rows = token_rows(order)
+    out = fn(take_tokens(q, rows), take_tokens(k, rows), take_tokens(v, rows), mask, *args, **kwargs)
+    return take_tokens(out, rows, back=True)
+
+
 def in_real_first_order(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
                         key_padding_mask: Optional[Tensor], *args, **kwargs) -> Tensor:
     """An op ``fn(q, k, v, key_padding_mask, *args, **kwargs)`` (q, k, v (B,H,N,·), output (B,H,N,·)) run over each

@@ -71,10 +71,11 @@ VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's al
 def kernels(half) -> List[Tuple[object, str, dict]]:
     """(kernel, LAUNCH key, constexprs) of every fused kernel for inputs of the Triton half type ``half``, at the
     training shapes' sizes (chunks, blocks and windows of 64, 128 landmarks) and the kernels' own row counts; LAVO's
-    four twice (causal, then non-causal: a window's queries meet its own window's key slots only)."""
+    four twice (causal, then non-causal: a window's queries meet its own window's key slots only, its rows read
+    through a real-first order)."""
     common = dict(HALF_TY=half, EMULATE=False, HAS_MASK=True)
-    window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True)
-    own_window = {**window, "CAUSAL": False}
+    window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True, ORDERED=False)
+    own_window = {**window, "CAUSAL": False, "ORDERED": True}  # an encoder's padded batch: rows through the order
     lavo_kernels = [(lavo._local, "lavo_local"), (lavo._memory, "lavo_memory"),
                     (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._local_grad, "lavo_local_grad")]
     return [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),

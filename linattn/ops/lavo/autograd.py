@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..impls import implementation_for
 from ..precision import autocast_off, function_output
+from ..real_tokens import over_reordered_tokens, real_first_order
 from . import fused, looped, parallel
 from .inputs import LAVO_TENSORS, LavoInputs, check_lavo
 
@@ -38,7 +39,8 @@ class _LAVO(torch.autograd.Function):
 
 @autocast_off
 def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, *, window: int = 64,
-                   causal: bool = True, key_padding_mask: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
+                   causal: bool = True, key_padding_mask: Optional[Tensor] = None, impl: str = "auto",
+                   real_first: bool = False) -> Tensor:
     """LAVO self-attention in O(N (w + r)) time and memory (no N×N matrix).
 
     q, k, v (B,H,N,D), bases (H,r,D), pos_bias (H,2w-1) -> (B,H,N,D). Causal local attention uses
@@ -46,9 +48,27 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     exclusive cumulative sum over windows of sum_t B x_t and of the token counts. ``impl`` (``impls.resolve_impl``):
     ``looped`` holds, beyond the inputs, the output, the gradients and working-size temporaries;
     ``parallel`` all windows at once, (B,H,N,K) temporaries, K = 2w causal, w otherwise; ``fused`` Triton kernels
-    (half inputs and bases, w <= 64; ``fused.supports``, else ``parallel``).
+    (half inputs and bases, w <= 64; ``fused.supports``, else ``parallel``). Windows and relative positions count
+    the tokens as given, padding included, unless ``real_first``: then they count each row's real tokens, padding
+    anywhere (``real_tokens``, as the module runs it): the fused kernels read and write the rows through the
+    real-first order, the other implementations run over q, k, v gathered in it and put the output back in
+    fairseq's layout (``real_tokens.over_reordered_tokens``).
     """
     w, key_padding_mask = check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
     impl = implementation_for(IMPLEMENTATIONS, impl, q, v, window=w, bases_dtype=bases.dtype)  # fused: inputs it takes
-    x = IMPLEMENTATIONS[impl].inputs(q, k, v, bases, pos_bias, key_padding_mask, w, causal)
+    reordered = real_first_order(key_padding_mask) if real_first else None
+    if reordered is None:
+        return _lavo(q, k, v, key_padding_mask, bases, pos_bias, w, causal, impl)
+    if impl == "fused":
+        order, mask = reordered
+        return _lavo(q, k, v, mask, bases, pos_bias, w, causal, impl, order)
+    return over_reordered_tokens(_lavo, q, k, v, *reordered, bases, pos_bias, w, causal, impl)
+
+
+def _lavo(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], bases: Tensor, pos_bias: Tensor,
+          w: int, causal: bool, impl: str, order: Optional[Tensor] = None) -> Tensor:
+    """``lavo_attention`` by ``impl`` (resolved; arguments checked), over the positions of ``order`` if given
+    (fused)."""
+    extra = {} if order is None else {"order": order}
+    x = IMPLEMENTATIONS[impl].inputs(q, k, v, bases, pos_bias, key_padding_mask, w, causal, **extra)
     return _LAVO.apply(impl, *x).to(q.dtype)

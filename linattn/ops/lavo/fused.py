@@ -2,7 +2,8 @@
 ``ops/triton/lavo_backward.py``; docs/design.md §1.3.1), forward and backward.
 
 ``inputs`` gives q, k, v and the bases in their own half dtype, the relative bias P (H,2w-1) in fp32 (autograd
-carries its gradient back to the parameter), tok (B,nw*w) fp32 and valid (B,nw*w) uint8, the real tokens. The
+carries its gradient back to the parameter), tok (B,nw*w) fp32 and valid (B,nw*w) uint8, the real tokens, and the
+real-first order the kernels read the rows through, if any (``autograd.lavo_attention``'s ``real_first``). The
 memory's means stay torch ops (``memory.py``) inside the custom ops. ``supports`` says which inputs the kernels take;
 others run ``parallel``.
 """
@@ -31,18 +32,21 @@ def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch
 
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],
-           window: int, causal: bool) -> LavoInputs:
-    """q, k, v, bases as given; P (H,2w-1) fp32 under autograd; the real tokens as tok (fp32) and valid (uint8)."""
+           window: int, causal: bool, order: Optional[Tensor] = None) -> LavoInputs:
+    """q, k, v, bases as given; P (H,2w-1) fp32 under autograd; the real tokens as tok (fp32) and valid (uint8) by
+    position; with ``order`` (B,N) (``real_tokens.real_first_order``'s, ``key_padding_mask`` then in that order) the
+    positions are those of each row's real-first order, as int32."""
     valid = window_valid(q, window, key_padding_mask)
     return LavoInputs(q, k, v, bases, pos_bias.to(compute_dtype(q)), valid.to(compute_dtype(q)),
-                      valid=valid.to(torch.uint8), causal=causal)
+                      valid=valid.to(torch.uint8), order=None if order is None else order.to(torch.int32),
+                      causal=causal)
 
 
 def forward(x: LavoInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor, Tensor]]:
     """0.5 (F_local + F_global) (B,H,N,D) in q's dtype, and the window sums of F_local, the memory's means and
     F_local's weights (fp32) for ``backward``."""
     from ..triton.lavo import lavo
-    out, win, mean, coef = lavo(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, x.causal)
+    out, win, mean, coef = lavo(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, x.order, x.causal)
     return out, (win, mean, coef)
 
 
@@ -51,6 +55,7 @@ def backward(x: LavoInputs, saved: Tuple[Tensor, Tensor, Tensor], grad: Tensor) 
     from ..triton.common import grads_of
     from ..triton.lavo_backward import lavo_backward
 
-    *grads, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, grad, *saved, x.causal)
+    *grads, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, x.order, grad, *saved,
+                                          x.causal)
     dq, dk, dv = grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
     return LavoInputs(q=dq, k=dk, v=dv, bases=dbases, bias=dbias)

@@ -20,6 +20,8 @@ class LavoInputs(NamedTuple):
     ``looped``: valid (B,nw*w) bool, the real tokens, or None when no key needs masking.
     ``parallel``: drop (B,1,nw,w,K), the window scores dropped, and keyless (B,1,nw,w,1), the queries with no key to
     see, bool.
+    ``fused``: valid (B,nw*w) uint8, the real tokens; order (B,N) int32, each row's real-first order whose positions
+    the windows count (the kernels read and write their rows through it), or None.
 
     A backward's gradients come in the same tuple (None where there is none).
     """
@@ -32,6 +34,7 @@ class LavoInputs(NamedTuple):
     valid: Optional[Tensor] = None
     drop: Optional[Tensor] = None
     keyless: Optional[Tensor] = None
+    order: Optional[Tensor] = None
     causal: Optional[bool] = None
 
 

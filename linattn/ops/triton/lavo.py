@@ -14,7 +14,7 @@ from ``hi`` (its own window). The backward reads them in another order (``lavo_b
 come from its position, never from its slot.
 """
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -23,6 +23,15 @@ from torch import Tensor
 
 from ..lavo.memory import memory_mean
 from .common import HALF, block, emulate_half_dot, half_dot, inputs_in_layout, launch, new_rows, tile_at, wide_dot
+
+
+@triton.jit
+def memory_rows(order_ptr, pid, H, N, pos, ORDERED: tl.constexpr):
+    """The rows in memory of positions ``pos`` of head ``pid``'s sequence: with ORDERED, positions in its real-first
+    order (``order`` (B, N) int32, ``real_tokens``), order[b, pos]; else pos. Outside [0, N) row 0 (masked there)."""
+    if ORDERED:
+        return tl.load(order_ptr + (pid // H) * N + pos, mask=(pos >= 0) & (pos < N), other=0)
+    return pos
 
 
 @triton.jit
@@ -41,23 +50,27 @@ def key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW: tl.constexpr, CAUSAL: tl.c
 
 
 @triton.jit
-def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, N, NT, W, qw, lo, hi, D, SQK,
-                 scale,
+def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, N, NT, W, qw, lo,
+                 hi, D, SQK, scale,
                  BW: tl.constexpr,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
-                 BY_KEY: tl.constexpr = False):
+                 ORDERED: tl.constexpr, BY_KEY: tl.constexpr = False):
     """Query window ``qw`` of head ``pid`` against the key slots (``key_rows``): its queries' positions t (BW,) and
     q (BW, BD) half, the keys' positions and real flags (NK,), k (NK, BD) half and p (BW, NK) fp32, the window
     softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
     allowed key; BY_KEY: p transposed, (NK, BW), a key a row (its scores k q^T: NK = 2 BW rows causal, which 8 warps
-    hold without replicating them, ``kernel_resources.replicated_dots``). q and k at head stride SQK (``tile_at``)."""
+    hold without replicating them, ``kernel_resources.replicated_dots``); and the queries' and keys' rows in memory
+    (``memory_rows``). q and k at head stride SQK (``tile_at``)."""
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
     t = qw * W + i
     q_in = (i < W) & (t < N)
-    q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=q_in[:, None] & (d[None, :] < D), other=0.0)
+    q_rows = memory_rows(order_ptr, pid, H, N, t, ORDERED)
+    q = tl.load(q_ptr + tile_at(pid, q_rows, d, N, SQK, BH, FAIRSEQ), mask=q_in[:, None] & (d[None, :] < D),
+                other=0.0)
     pos, real = key_rows(valid_ptr, pid, H, N, NT, W, lo, hi, BW, CAUSAL)
-    k = tl.load(k_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+    k_rows = memory_rows(order_ptr, pid, H, N, pos, ORDERED)
+    k = tl.load(k_ptr + tile_at(pid, k_rows, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     KEYS: tl.constexpr = 0 if BY_KEY else 1  # the axis of the keys
     if BY_KEY:
@@ -77,22 +90,23 @@ def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ: tl.constexpr, p
     seen = top > float("-inf")
     e = tl.exp(s - tl.expand_dims(tl.where(seen, top, 0.0), KEYS))  # exp(-inf) = 0 off the allowed keys
     p = e / tl.expand_dims(tl.where(seen, tl.sum(e, KEYS), 1.0), KEYS)
-    return t, q_in, q, pos, real, k, p
+    return t, q_in, q, pos, real, k, p, q_rows, k_rows
 
 
 @triton.jit
-def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, xl_ptr, win_ptr, BH, H, N, NT, NW, W, D, SQK,
+def _local(q_ptr, k_ptr, v_ptr, bias_ptr, valid_ptr, order_ptr, xl_ptr, win_ptr, BH, H, N, NT, NW, W, D, SQK,
            scale, BW: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-           CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """Window m of head ``pid``: F_local (BW, BD) stored fp32, and its sum over the window's real tokens; q, k, v
-    (head stride SQK) and F_local in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
+           CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """Window m of head ``pid``: F_local (BW, BD) stored fp32 at its positions' rows, and its sum over the window's
+    real tokens; q, k, v (head stride SQK, read through the order if ORDERED: ``memory_rows``) and F_local in
+    fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
-    t, q_in, _, pos, real, _, p = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ, pid, H, N, NT, W,
-                                               m, (m - 1) * W, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE,
-                                               CAUSAL)
-    v = tl.load(v_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+    t, q_in, _, pos, real, _, p, _, k_rows = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ,
+                                                          pid, H, N, NT, W, m, (m - 1) * W, m * W, D, SQK, scale,
+                                                          BW, BD, HALF_TY, EMULATE, CAUSAL, ORDERED)
+    v = tl.load(v_ptr + tile_at(pid, k_rows, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
     xl = half_dot(p, v, HALF_TY, EMULATE)
     tl.store(xl_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), xl, mask=q_in[:, None] & (d[None, :] < D))
@@ -120,13 +134,13 @@ def memory_probs(q, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constex
 
 
 @triton.jit
-def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, BH, H, N, NW, W, R, D, SQK, scale,
+def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, order_ptr, out_ptr, BH, H, N, NW, W, R, D, SQK, scale,
             BW: tl.constexpr,
             BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-            CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+            CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
     """Window m of head ``pid``: out = coef F_local + 0.5 (p ⊙ H) B (eq. 4) in q's dtype; coef = 0.5 with a
-    memory, 1 without (then H = 0); q (head stride SQK), F_local and out in fairseq's layout (FAIRSEQ) or
-    contiguous."""
+    memory, 1 without (then H = 0); q (head stride SQK) and out at the tokens' rows (through the order if ORDERED),
+    F_local at the positions'; in fairseq's layout (FAIRSEQ) or contiguous."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     i = tl.arange(0, BW)
@@ -134,16 +148,17 @@ def _memory(q_ptr, bases_ptr, mean_ptr, coef_ptr, xl_ptr, out_ptr, BH, H, N, NW,
     r = tl.arange(0, BR)
     t = m * W + i
     rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
-    q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
+    tokens = memory_rows(order_ptr, pid, H, N, t, ORDERED)
+    q = tl.load(q_ptr + tile_at(pid, tokens, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
     bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
     at = pid * NW + m if CAUSAL else pid  # the window's memory, or the sequence's
     mean = tl.load(mean_ptr + at * R + r, mask=r < R, other=0.0)
     coef = tl.load(coef_ptr + (pid // H) * NW + m) if CAUSAL else tl.load(coef_ptr + pid // H)
     _, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
     glob = wide_dot(p * (0.5 * mean)[None, :], bases.to(tl.float32), WIDE)
-    tile = tile_at(pid, t, d, N, D, BH, FAIRSEQ)  # F_local and out: one layout
-    xl = tl.load(xl_ptr + tile, mask=rows, other=0.0)
-    tl.store(out_ptr + tile, (coef * xl + glob).to(out_ptr.dtype.element_ty), mask=rows)
+    xl = tl.load(xl_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+    out = (coef * xl + glob).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tile_at(pid, tokens, d, N, D, BH, FAIRSEQ), out, mask=rows)
 
 
 def window_of(pos_bias: Tensor) -> int:
@@ -153,10 +168,12 @@ def window_of(pos_bias: Tensor) -> int:
 
 @torch.library.custom_op("linattn::lavo", mutates_args=())
 def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
-         causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         order: Optional[Tensor], causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """q, k, v (B,H,N,D) and bases (H,r,D) half, one dtype; pos_bias (H,2w-1) fp32; valid (B,nw*w) uint8 and tok
-    (B,nw*w) fp32, the real tokens -> out (B,H,N,D) in q's dtype, and for the backward the window sums of F_local
-    (B,H,nw,D) and the memory's means and F_local's weights (``memory.memory_mean``), fp32."""
+    (B,nw*w) fp32, the real tokens by position; ``order`` (B,N) int32, each row's real-first order (``real_tokens``),
+    whose positions the windows count and through which q, k, v and out are read and written, or None (the tokens'
+    own) -> out (B,H,N,D) in q's dtype, and for the backward the window sums of F_local (B,H,nw,D) and the memory's
+    means and F_local's weights (``memory.memory_mean``), fp32."""
     b, h, n, d = q.shape
     w, r = window_of(pos_bias), bases.shape[1]
     nw = tok.shape[1] // w
@@ -166,18 +183,19 @@ def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     win = q.new_empty((b, h, nw, d), dtype=torch.float32)
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
-                 FAIRSEQ=fairseq)
-    _local[(nw, b * h)](q, k, v, pos_bias, valid, xl, win, b * h, h, n, valid.shape[1], nw, w, d, sqk,
+                 FAIRSEQ=fairseq, ORDERED=order is not None)
+    order = valid if order is None else order.contiguous()  # never read without an order
+    _local[(nw, b * h)](q, k, v, pos_bias, valid, order, xl, win, b * h, h, n, valid.shape[1], nw, w, d, sqk,
                         1 / math.sqrt(d),
                         **sizes, **launch("lavo_local", d))
     mean, coef, _ = memory_mean(win, bases.float(), tok.view(b, nw, w), causal)
-    _memory[(nw, b * h)](q, bases, mean.contiguous(), coef.contiguous(), xl, out, b * h, h, n, nw, w, r, d, sqk,
-                         1 / math.sqrt(d), BR=block(r), **sizes, **launch("lavo_memory", d))
+    _memory[(nw, b * h)](q, bases, mean.contiguous(), coef.contiguous(), xl, order, out, b * h, h, n, nw, w, r, d,
+                         sqk, 1 / math.sqrt(d), BR=block(r), **sizes, **launch("lavo_memory", d))
     return out, win, mean, coef
 
 
 @lavo.register_fake
-def _(q, k, v, bases, pos_bias, valid, tok, causal):
+def _(q, k, v, bases, pos_bias, valid, tok, order, causal):
     b, h, _, d = q.shape
     nw = tok.shape[1] // window_of(pos_bias)
     f32 = dict(dtype=torch.float32)

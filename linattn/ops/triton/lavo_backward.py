@@ -11,7 +11,7 @@ dL/dF_local = coef grad + tok dL/d(window sum) is never stored: dp = coef grad v
 (v·dL/d(sum)).
 """
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -32,17 +32,19 @@ from .common import (
     tile_at,
     wide_dot,
 )
-from .lavo import load_bases, memory_probs, window_of, window_probs
+from .lavo import load_bases, memory_probs, memory_rows, window_of, window_probs
 
 SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
 
 
 @triton.jit
-def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_ptr, BH, H, N, NW, W, R,
+def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, order_ptr, dqg_ptr, dmean_ptr, part_ptr, BH, H, N, NW, W, R,
                  D, SQK, SPLIT, scale, BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr,
-                 EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+                 EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr,
+                 ORDERED: tl.constexpr):
     """One split of windows of one head: per window dL/dq of 0.5 F_global (fp32) and dL/dH (BR,); part (R, D) =
-    the split's share of dL/dB; q (head stride SQK), grad and dL/dq in fairseq's layout (FAIRSEQ) or contiguous."""
+    the split's share of dL/dB; q (head stride SQK) and grad at the tokens' rows (through the order if ORDERED), dL/dq
+    at the positions'; in fairseq's layout (FAIRSEQ) or contiguous."""
     pid = tl.program_id(0)
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
@@ -54,9 +56,9 @@ def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_
     for m in range(first, tl.minimum(first + SPLIT, NW)):
         t = m * W + i
         rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
-        q = tl.load(q_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
-        at = tile_at(pid, t, d, N, D, BH, FAIRSEQ)  # grad and dL/dq: one layout
-        g = tl.load(grad_ptr + at, mask=rows, other=0.0)
+        tokens = memory_rows(order_ptr, pid, H, N, t, ORDERED)
+        q = tl.load(q_ptr + tile_at(pid, tokens, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
+        g = tl.load(grad_ptr + tile_at(pid, tokens, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
         mean = tl.load(mean_ptr + (pid * NW + m if CAUSAL else pid) * R + r, mask=r < R, other=0.0)
         qb, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
         dwgt = 0.5 * half_dot(g, tl.trans(bases), HALF_TY, EMULATE)  # dL/d(p ⊙ H)
@@ -64,7 +66,7 @@ def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, dqg_ptr, dmean_ptr, part_
         dlog = p * (dp - tl.sum(dp * p, 1)[:, None])  # the memory logits' gradient
         tl.store(dmean_ptr + (pid * NW + m) * R + r, tl.sum(dwgt * p + dlog * qb, 0), mask=r < R)
         dqb = dlog * mean[None, :]
-        tl.store(dqg_ptr + at, wide_dot(dqb, wide_bases, WIDE) * scale, mask=rows)
+        tl.store(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), wide_dot(dqb, wide_bases, WIDE) * scale, mask=rows)
         db += 0.5 * wide_dot(tl.trans(p * mean[None, :]), g.to(tl.float32), WIDE)
         db += wide_dot(tl.trans(dqb), q.to(tl.float32) * scale, WIDE)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * R * D  # part (B, H, splits, R, D)
@@ -81,15 +83,16 @@ def _own_slots(x, BW: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dwin_ptr, dqg_ptr, dq_ptr, dk_ptr,
-                dv_ptr, dbias_ptr, BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr,
+def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, dqg_ptr, dq_ptr,
+                dk_ptr, dv_ptr, dbias_ptr, BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr,
                 BD: tl.constexpr,
                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
-                FAIRSEQ: tl.constexpr):
+                FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
     """Window m of head ``pid``: dq of its queries (with F_global's share, dqg), the relative bias' share of its
     queries (dbias (B*H, nw, 2w-1)), dk and dv of its keys; stored in the inputs' dtype. The softmax tiles are held a
     key a row, (NK, BW). Every tensor of rows in fairseq's layout (FAIRSEQ; q, k, v and their gradients at X = SQK:
-    ``common.inputs_in_layout``) or contiguous."""
+    ``common.inputs_in_layout``) or contiguous; q, k, v, grad and the gradients at the tokens' rows (through the
+    order if ORDERED: ``lavo.memory_rows``), dqg at the positions'."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
@@ -100,13 +103,13 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
         qw = m + step
         if qw < NW:
             lo = (m - 1) * W if step == 0 else (m + 1) * W  # window m's previous window, or window m + 1 itself
-            t, q_in, q, pos, real, k, pt = window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, BH, FAIRSEQ, pid, H, N,
-                                                        NT, W, qw, lo, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE,
-                                                        CAUSAL, True)
-            v = tl.load(v_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
+            t, q_in, q, pos, real, k, pt, q_rows, k_rows = window_probs(
+                q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ, pid, H, N, NT, W, qw, lo, m * W, D, SQK,
+                scale, BW, BD, HALF_TY, EMULATE, CAUSAL, ORDERED, True)
+            v = tl.load(v_ptr + tile_at(pid, k_rows, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                         other=0.0)
             rows = q_in[:, None] & (d[None, :] < D)
-            g = tl.load(grad_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+            g = tl.load(grad_ptr + tile_at(pid, q_rows, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
             coef = tl.load(coef_ptr + (pid // H) * NW + qw) if CAUSAL else tl.load(coef_ptr + pid // H)
             dwin = tl.load(dwin_ptr + (pid * NW + qw if CAUSAL else pid) * D + d, mask=d < D, other=0.0)
             tok = tl.where(q_in & (tl.load(valid_ptr + (pid // H) * NT + t, mask=q_in, other=0) != 0), 1.0, 0.0)
@@ -117,7 +120,8 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
             if step == 0:
                 dq = tl.load(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
                 dq += wide_dot(tl.trans(dst), k.to(tl.float32), WIDE) * scale
-                tl.store(dq_ptr + tile_at(pid, t, d, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty), mask=rows)
+                tl.store(dq_ptr + tile_at(pid, q_rows, d, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty),
+                         mask=rows)
                 # the bias P[o] gets ds[key at t_i + o - w + 1, i]: the slots of that key, gathered per query
                 o = tl.arange(0, 2 * BW)
                 key = t[None, :] + o[:, None] - W + 1
@@ -133,16 +137,18 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, coef_ptr, dw
     j = tl.arange(0, BW)
     pos = m * W + j
     keys = ((j < W) & (pos < N))[:, None] & (d[None, :] < D)
-    tl.store(dk_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), dk.to(dk_ptr.dtype.element_ty), mask=keys)
-    tl.store(dv_ptr + tile_at(pid, pos, d, N, SQK, BH, FAIRSEQ), dv.to(dv_ptr.dtype.element_ty), mask=keys)
+    at = tile_at(pid, memory_rows(order_ptr, pid, H, N, pos, ORDERED), d, N, SQK, BH, FAIRSEQ)
+    tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys)
+    tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
 
 
 @torch.library.custom_op("linattn::lavo_backward", mutates_args=())
 def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
-                  grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
+                  order: Optional[Tensor], grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
                   causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (B,H,N,D) and their packed tensor (``common.op_grads``) and dbases (H,r,D) in the inputs' dtype,
-    dpos_bias (H,2w-1) fp32, from dL/d(out) ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef)."""
+    dpos_bias (H,2w-1) fp32, from dL/d(out) ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef);
+    ``order`` as ``lavo.lavo``'s."""
     b, h, n, d = q.shape
     w, r = window_of(pos_bias), bases.shape[1]
     nw = tok.shape[1] // w
@@ -151,23 +157,24 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     fairseq, sqk, _, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))  # D = Dv: v at SQK too
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
-                 FAIRSEQ=fairseq)
+                 FAIRSEQ=fairseq, ORDERED=order is not None)
+    order = valid if order is None else order.contiguous()  # never read without an order
     dmean = q.new_empty((b, h, nw, r), dtype=torch.float32)
     splits = triton.cdiv(nw, SPLIT_WINDOWS)
     part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
-    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), dqg, dmean, part, b * h, h, n, nw, w, r, d, sqk,
-                                  SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
+    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), order, dqg, dmean, part, b * h, h, n, nw, w, r,
+                                  d, sqk, SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
                                   **launch("lavo_memory_grad", d))
     dbases = part.sum((0, 2))
     dwin = memory_mean_grad(dmean if causal else dmean.sum(2), win, bases.float(), dbases, tok.view(b, nw, w), causal)
     dbias = q.new_empty((b, h, nw, 2 * w - 1), dtype=torch.float32)
-    _local_grad[(nw, b * h)](q, k, v, grad, pos_bias, valid, coef.contiguous(), dwin.contiguous(), dqg, dq, dk, dv,
-                             dbias, b * h, h, n, valid.shape[1], nw, w, d, sqk, 1 / math.sqrt(d), **sizes,
+    _local_grad[(nw, b * h)](q, k, v, grad, pos_bias, valid, order, coef.contiguous(), dwin.contiguous(), dqg, dq, dk,
+                             dv, dbias, b * h, h, n, valid.shape[1], nw, w, d, sqk, 1 / math.sqrt(d), **sizes,
                              **launch("lavo_local_grad", d))
     return (*op_grads(dq, dk, dv, packed), dbases.to(bases.dtype), dbias.sum((0, 2)))
 
 
 @lavo_backward.register_fake
-def _(q, k, v, bases, pos_bias, valid, tok, grad, win, mean, coef, causal):
+def _(q, k, v, bases, pos_bias, valid, tok, order, grad, win, mean, coef, causal):
     return (*op_grads(*new_grads(q, k, v)), torch.empty_like(bases),
             pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))

@@ -9,10 +9,11 @@ import json
 
 import pytest
 import torch
-from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
+from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err, siblings_layout
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
+from linattn.ops.real_tokens import over_reordered_tokens, real_first_order
 from linattn.profiling.dispatch import count_dispatch
 from linattn.tolerances import tolerance
 
@@ -72,6 +73,40 @@ def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, lay
     grad = torch.randn(2, 2, 11, 12, generator=gen).half()
     check_fused_layouts(lambda *qkv: run(*qkv, bases, pos_bias, "fused", causal=causal, mask=mask), (q, k, v), grad,
                         layouts)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("side", ["left", "whole-left", "right"])
+@pytest.mark.parametrize("layout", ["contiguous", "siblings"])
+def test_real_first_kernels_read_through_the_order_as_the_gathered_rows(gen, causal, side, layout):
+    """``real_first`` (the module's): the kernels read and write each row through its real-first order, and give the
+    output and the gradients (bases and bias too) of the same kernels over q, k, v gathered in that order and put
+    back, bit for bit, with q, k, v contiguous or packed as the module packs them (read in place); padded tokens then
+    count no position (left padding: not the plain op's output)."""
+    q, k, v, bases, pos_bias = inputs(gen, torch.bfloat16 if side == "whole-left" else torch.float16, 19)
+    mask = torch.zeros(2, 19, dtype=torch.bool)
+    mask[1, :9] = True  # whole windows of padding first
+    mask = mask if side == "whole-left" else padding_mask(2, 19, side, gen)
+    leaves = (q, k, v) if layout == "contiguous" else siblings_layout(*(t.detach() for t in (q, k, v)))
+    leaves = [t.detach().requires_grad_() for t in leaves] + [bases, pos_bias]
+    grad = torch.randn(2, 2, 19, 12, generator=gen).to(q.dtype)
+    w = (pos_bias.shape[1] + 1) // 2
+
+    def lavo(*args, real_first, impl="fused", mask=mask):
+        return ops.lavo_attention(*args, bases, pos_bias, window=w, causal=causal, key_padding_mask=mask, impl=impl,
+                                  real_first=real_first)
+
+    def gathered(q, k, v, reordered_mask):
+        return lavo(q, k, v, real_first=False, mask=reordered_mask)
+
+    results = []
+    for out in (lavo(*leaves[:3], real_first=True), over_reordered_tokens(gathered, *leaves[:3],
+                                                                          *real_first_order(mask))):
+        results.append([out, *torch.autograd.grad(out, leaves, grad)])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    if side != "right":
+        assert not torch.equal(results[0][0], lavo(*leaves[:3], real_first=False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
