@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
-from linattn.ops.packed_heads import split_heads
+from linattn.ops.packed_heads import pack_rows, split_heads
 
 from . import compile_check
 from .registry import ATTENTION_CLASSES
@@ -125,8 +125,8 @@ class AttentionBase(nn.Module):
         stacked into one). The weights stay ``q_proj``, ``k_proj``, ``v_proj``."""
         h, d = self.num_heads, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.stack([p.weight.view(h, d, -1) for p in projs], 1).view(3 * self.embed_dim, -1)
-        bias = None if self.q_proj.bias is None else torch.stack([p.bias.view(h, d) for p in projs], 1).view(-1)
+        weight = pack_rows(h, *(p.weight for p in projs))
+        bias = None if self.q_proj.bias is None else pack_rows(h, *(p.bias for p in projs))
         t, b, _ = x.shape
         return split_heads(F.linear(x, weight, bias).view(t, b, h, 3, d))
 

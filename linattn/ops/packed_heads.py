@@ -29,6 +29,28 @@ class _SplitHeads(torch.autograd.Function):
         return torch.stack([torch.zeros_like(like) if g is None else g for g in (dq, dk, dv)], 3)
 
 
+class _PackedRows(torch.autograd.Function):
+    """Three (H·D, ·) tensors (the projections' weights or biases) -> (3·H·D, ·), each head's three blocks of D rows
+    side by side, (H, 3, D, ·); backward: the three gradients as views of one (3, H·D, ·) copy of the packed one
+    (one copy, not one a part: each view is laid out as its parameter, so autograd keeps it as it is)."""
+
+    @staticmethod
+    def forward(ctx, heads: int, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        ctx.heads = heads
+        return torch.stack([x.view(heads, -1, *x.shape[1:]) for x in (a, b, c)], 1).view(3 * a.shape[0], *a.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        parts = grad.view(ctx.heads, 3, -1, *grad.shape[1:]).transpose(0, 1).contiguous()  # (3, H, D, ·)
+        return (None, *parts.view(3, -1, *grad.shape[1:]).unbind(0))
+
+
+def pack_rows(heads: int, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """(3·H·D, ·) from three (H·D, ·) tensors, laid out (H, 3, D, ·): the weights (or biases) of the module's packed
+    projection (``split_heads`` its output's q, k, v)."""
+    return _PackedRows.apply(heads, a, b, c)
+
+
 def packed_gradient(dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor]) -> Optional[Tensor]:
     """The (T,B,H,3,D) tensor whose parts dq, dk, dv (T,B,H,D) are (``packed_siblings`` in one storage), or None."""
     if dq is None or dk is None or dv is None or torch.compiler.is_compiling():

@@ -53,6 +53,21 @@ def test_one_packed_matmul_gives_what_three_projections_give(gen, method, role):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_the_projections_gradients_are_views_of_one_copy_laid_out_as_their_parameters(gen):
+    """The packed weights' and biases' gradients go back to q_proj, k_proj and v_proj in one copy each
+    (``packed_heads.pack_rows``), each part laid out as its parameter, which autograd then keeps as it is: two copies
+    a backward, not six."""
+    module = build_attention("lln", 32, 4, causal=True, config=dict(SMALL, attention_impl="parallel"))
+    x = torch.randn(7, 2, 32, generator=gen, requires_grad=True)
+    out, _ = module(x, x, x, need_weights=False)
+    with Calls() as calls:
+        out.backward(torch.randn(out.shape, generator=gen))
+    assert calls.names.count("clone") + calls.names.count("_unsafe_view") == 2, calls.names
+    grads = [p.weight.grad for p in (module.q_proj, module.k_proj, module.v_proj)]
+    assert all(g.is_contiguous() and g.shape == (32, 32) for g in grads)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+
+
 @pytest.mark.parametrize("method,role", [c for c in CASES if c[0] in ("lln", "lln_diag", "lavo", "skyformer")])
 def test_fused_gradients_of_packed_q_k_v_are_put_back_without_a_copy(gen, method, role):
     """The fused backward writes dq, dk, dv into one tensor laid out as the packed projection (``new_grads``), so the
