@@ -61,9 +61,11 @@ DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batc
 # limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
 # (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
 # gradient's): its residues went from 112, 64, 32, 256 B to these (Triton 3.9; 3.6: 56 to 136 and 128, 144 to 136);
-# causal LLN's from 312 to 288 (3.6: 240 to 176)
-RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 288, "nystrom_rows_grad": 96, "lavo_memory_grad": 184,
-                        "lavo_memory_grad causal": 144, "lavo_local_grad": 96, "lavo_local_grad causal": 352}
+# causal LLN's from 312 to 288 (3.6: 240 to 176). The non-causal LAVO backward reading its rows through the
+# real-first order (an encoder's padded batch): ``_local_grad`` up to 104 (3.6: 0 -> 32), ``_memory_grad`` down to 96
+# (3.6: 136 -> 40)
+RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 288, "nystrom_rows_grad": 96, "lavo_memory_grad": 96,
+                        "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
