@@ -5,7 +5,7 @@ from linattn import ops
 from linattn.ops import lln_decode_init, lln_decode_step
 
 from .base import AttentionBase
-from .moment_matcher import MomentMatcher
+from .moment_matcher import LAST, MomentMatcher
 from .registry import register_attention
 
 
@@ -53,11 +53,10 @@ class LLNAttention(AttentionBase):
         The matcher peeks: no buffer is updated and batch statistics are not all-reduced; its ``last_*``
         logging values are restored afterwards.
         """
-        names = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
-        saved = {n: getattr(self.matcher, n) for n in names}
+        saved = {n: getattr(self.matcher, n) for n in LAST}
         try:
             self.matcher(q, k, key_padding_mask, peek=True)
-            return {n[len("last_"):]: getattr(self.matcher, n) for n in names}
+            return {n[len("last_"):]: getattr(self.matcher, n) for n in LAST}
         finally:
             for n, value in saved.items():
                 setattr(self.matcher, n, value)

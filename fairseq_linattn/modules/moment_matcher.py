@@ -19,7 +19,6 @@ from linattn.ops.moment_matching import (
     PAPER_A,
     PAPER_B,
     STATS,
-    _as_f64,
     _check_scale_limit,
     _is_number,
     exact_moment_table,
@@ -29,6 +28,9 @@ from linattn.ops.moment_matching import (
 )
 
 _F64 = torch.float64
+# what a forward keeps for logging (plain attributes: set through ``__dict__``, not ``nn.Module.__setattr__``'s
+# checks, five a forward)
+LAST = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
 
 
 class _TrainingFlags:
@@ -151,7 +153,7 @@ class MomentMatcher(nn.Module):
             self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
         # sum q, sum q², sum k, sum k², token entries of the training forwards not folded in yet (folds_deferred)
         self.register_buffer("pending_moments", torch.zeros(5, groups, dtype=_F64), persistent=False)
-        self.last_sigma_q = self.last_sigma_k = self.last_alpha = self.last_beta = self.last_tau = None
+        self.__dict__.update(dict.fromkeys(LAST))
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, stats={self.stats}, per_head={self.per_head}, a={self.a:.6g}, "
@@ -180,21 +182,15 @@ class MomentMatcher(nn.Module):
         (q's and k's stacked: fewer launches).
 
         Each token row's D entries are reduced first, in float32 straight from the input dtype (float64 for float64
-        q, k), with no full-size upcast copy of q or k (``ops.token_moments``: one kernel with ``--attention-impl
-        fused``); the (B, H, N) row sums are then masked and summed over the tokens in float64 (sums over many
-        tokens). A padded row adds 0 whatever it holds, inf or NaN included.
+        q, k), with no full-size upcast copy of q or k, and counted (D a real row, 0 a padded one, which adds 0
+        whatever it holds, inf or NaN included: ``ops.token_moments``, one kernel with ``--attention-impl fused``);
+        the (5, B, H, N) rows are then summed over the tokens in float64 (sums over many tokens), in one reduction.
         """
-        rows = token_moments(q.detach(), k.detach(), self.impl)  # (4, B, H, N)
-        keep = None if key_padding_mask is None else (~key_padding_mask)[:, None, :]  # (B, 1, N)
-        if keep is not None:
-            rows = torch.where(keep, rows, 0.0)
+        rows = token_moments(q.detach(), k.detach(), key_padding_mask, self.impl)  # (5, B, H, N)
         dims = (3,) if self.per_head else (2, 3)
-        dims, shape = (dims, (4, q.shape[0], -1)) if per_sequence else ((1,) + dims, (4, -1))
-        sums = rows.sum(dims).reshape(shape)
-        tokens = _as_f64(q.shape[2], q.device).expand(q.shape[0]) if keep is None else keep.sum((1, 2), dtype=_F64)
-        tokens = tokens.reshape(-1, 1) if per_sequence else tokens.sum()
-        count = (tokens * (q.shape[3] * (1 if self.per_head else q.shape[1]))).expand_as(sums[0])
-        return torch.cat([sums, count[None]])
+        if per_sequence:
+            return rows.sum(dims, dtype=_F64).reshape(5, q.shape[0], -1)
+        return rows.sum((1,) + dims, dtype=_F64).reshape(5, -1)
 
     @staticmethod
     def _variances(moments: Tensor) -> Tuple[Tensor, Tensor]:
@@ -220,7 +216,7 @@ class MomentMatcher(nn.Module):
         from linattn.ops.triton.moment_match import lln_scales
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
         stats, ab = lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
+        self.__dict__.update(zip(LAST, stats.unbind(0)))
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
 
     def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
@@ -236,8 +232,7 @@ class MomentMatcher(nn.Module):
         x = (ab ** 2 * sigma ** 2).sum(0)
         # eq. 11; the exact table replaces the line a x + b by the measured curve at s² = x / 2
         var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma[0], sigma[1], ab[0], ab[1]
-        self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
+        self.__dict__.update(zip(LAST, (sigma[0], sigma[1], ab[0], ab[1], var_lln.clamp_min(1e-12).rsqrt())))
         shape = (sigma.shape[1] if sigma.dim() == 3 else 1, -1, 1, 1)  # (B, G) per sequence
         ab = ab.to(compute_dtype(like))
         return ab[0].view(shape), ab[1].view(shape)

@@ -1,7 +1,7 @@
 """Argument checks shared by the ops: q, k, v (B,H,N,D), key padding masks (B,S), positive ints and scales.
 Every error names the argument and what was expected."""
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -55,21 +55,37 @@ def check_positive_int(name: str, value) -> int:
 
 def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
     """A float or a tensor broadcastable to (B, H, 1, 1), all finite and > 0 (a tensor's values checked on its device,
-    with ``torch._assert_async``: no host sync); returned as a float32 tensor on q's device."""
-    t = torch.as_tensor(value, dtype=torch.float32 if q.dtype != torch.float64 else torch.float64, device=q.device)
-    if t.dim() > 4:
-        raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
-    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-    try:
-        torch.broadcast_shapes(t4.shape, (q.shape[0], q.shape[1], 1, 1))
-    except RuntimeError:
-        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1) = {(q.shape[0], q.shape[1], 1, 1)}, "
-                         f"got shape {tuple(t.shape)}") from None
-    if t4.shape[-1] != 1 or t4.shape[-2] != 1:
-        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
-    if not isinstance(value, Tensor):
-        if not (math.isfinite(float(value)) and float(value) > 0):  # a Python number: checked on the host
-            raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    else:  # checked on the device, no host sync (RuntimeError with this text)
-        torch._assert_async(((t4 > 0) & (t4 < math.inf)).all(), f"{name} must be finite and > 0")  # NaN fails both
-    return t4
+    with ``torch._assert_async``: no host sync); returned as a float32 tensor on q's device (float64 for float64
+    q)."""
+    return check_positive_scales(q, **{name: value})[0]
+
+
+def check_positive_scales(q: Tensor, **scales) -> Tuple[Tensor, ...]:
+    """``check_positive_scale`` of each named scale, the values of those given as tensors checked by one device
+    assertion (five launches, whatever their number). A forward runs this every time: the shapes are checked by hand
+    (``torch.broadcast_shapes`` costs the host more than the rest)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    checked, on_device = [], []
+    for name, value in scales.items():
+        t = value
+        if not (isinstance(value, Tensor) and value.dtype == dtype and value.device == q.device):
+            t = torch.as_tensor(value, dtype=dtype, device=q.device)
+        if t.dim() > 4:
+            raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
+        t4 = t if t.dim() == 4 else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+        if any(s != 1 and n != 1 and s != n for s, n in zip(t4.shape[:2], q.shape[:2])):
+            raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1) = {(q.shape[0], q.shape[1], 1, 1)}, "
+                             f"got shape {tuple(t.shape)}")
+        if t4.shape[-1] != 1 or t4.shape[-2] != 1:
+            raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
+        if not isinstance(value, Tensor):
+            if not (math.isfinite(float(value)) and float(value) > 0):  # a Python number: checked on the host
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        else:
+            on_device.append((name, t4))
+        checked.append(t4)
+    if on_device:  # checked on the device, no host sync (RuntimeError with this text)
+        names = " or ".join(f"{name} must be finite and > 0" for name, _ in on_device)
+        t = on_device[0][1] if len(on_device) == 1 else torch.cat([t.detach().reshape(-1) for _, t in on_device])
+        torch._assert_async(((t > 0) & (t < math.inf)).all(), names)  # NaN fails both
+    return tuple(checked)

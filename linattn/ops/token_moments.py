@@ -1,4 +1,6 @@
 """Each token row's moments of q and k, what LLN's moment matching sums (LLN §4.1; docs/design.md §3.1)."""
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -8,20 +10,23 @@ from .lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 _F64 = torch.float64
 
 
-def token_moments(q: Tensor, k: Tensor, impl: str = "auto") -> Tensor:
-    """q, k (B,H,N,D) -> (4,B,H,N) float64: each token row's sum of q, of k, of q², of k² over its D entries.
+def token_moments(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, impl: str = "auto") -> Tensor:
+    """q, k (B,H,N,D), key_padding_mask (B,N) bool (True = padded) or None -> (5,B,H,N): each token row's sum of q,
+    of k, of q², of k² over its D entries, and D (the entries counted); a padded row all 0, whatever q and k hold
+    there (inf, NaN). float32, float64 for float64 inputs: the matcher sums the rows over the tokens in float64.
 
-    The rows are reduced in float32 straight from the input dtype (float64 for float64 inputs), with no full-size
-    upcast copy of q or k. Where LLN's ``impl`` resolves to ``fused`` for q (half q: ``lln/fused.supports``) one
-    kernel reads q and k once (``triton/token_moments.py``); elsewhere four reductions (their kernels upcast inside
-    on CUDA).
+    The rows are reduced in float32 straight from the input dtype, with no full-size upcast copy of q or k. Where
+    LLN's ``impl`` resolves to ``fused`` for q (half q: ``lln/fused.supports``) one kernel reads q and k once
+    (``triton/token_moments.py``); elsewhere four reductions (their kernels upcast inside on CUDA) and the mask.
     """
     if implementation_for(LLN_IMPLEMENTATIONS, impl, q) == "fused":  # the table, not its name: traced whole
         from .triton.token_moments import token_moments as fused_moments
-        return fused_moments(q, k.to(q.dtype)).to(_F64)
-    dtypes = [_F64 if x.dtype == _F64 else torch.float32 for x in (q, k)]
-    rows = [x.sum(-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
-    rows += [torch.linalg.vector_norm(x, 2, dim=-1, dtype=dtype) for x, dtype in zip((q, k), dtypes)]
-    rows = torch.stack(rows).to(_F64)
-    rows[2:].square_()  # sums of squares
-    return rows
+        return fused_moments(q, k.to(q.dtype), key_padding_mask)
+    dtype = _F64 if _F64 in (q.dtype, k.dtype) else torch.float32
+    rows = [x.sum(-1, dtype=dtype) for x in (q, k)]
+    rows += [torch.linalg.vector_norm(x, 2, dim=-1, dtype=dtype) for x in (q, k)]
+    rows = torch.stack(rows + [torch.full_like(rows[0], q.shape[-1])])
+    rows[2:4].square_()  # sums of squares
+    if key_padding_mask is None:
+        return rows
+    return torch.where(key_padding_mask[:, None, :], 0.0, rows)  # a padded row adds 0, NaN or inf included

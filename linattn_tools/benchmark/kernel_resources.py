@@ -91,7 +91,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),
             (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
              dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),
-            (token_moments._row_moments, "lln_token_moments", dict(BLOCK=token_moments.ROWS)),
+            (token_moments._row_moments, "lln_token_moments", dict(BLOCK=token_moments.ROWS, HAS_MASK=True)),
             (moment_match._scales, "lln_moment_scales", dict(A=0.15, B=-0.35, MAX_SCALE=8.0, MOMENTS=True, BLOCK=16)),
             (moment_match._fold, "lln_moment_fold", dict(MOMENTUM=0.99, BATCH=True, BLOCK=16)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),

@@ -32,7 +32,7 @@ class CustomOpCalls(TorchDispatchMode):
 def run(method, causal, q, k, v, mask, gen):
     """One forward and backward of ``method``'s fused implementation (a forward of the moment rows)."""
     if method == "token_moments":  # LLN's moment matching: no gradient
-        ops.token_moments(q, k, impl="fused")
+        ops.token_moments(q, k, mask, impl="fused")
         return
     if method == "moment_matcher":  # its scales and the fold of the batch into its EMA after the token sums
         MomentMatcher(head_dim=q.shape[-1], num_heads=2, per_head=True, stats="ema", impl="fused").train()(q, k, mask)

@@ -199,6 +199,26 @@ def test_lln_rejects_bad_input(impl):
         ops.lln_attention(q, q[:, :, :3], q[:, :, :3], 1.0, 1.0, causal=True, impl=impl)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("which", ["alpha", "beta"])
+def test_tensor_scales_are_checked_on_the_device_in_one_assertion(which, bad):
+    """alpha and beta as tensors (the moment matcher's, per head): both checked by one device assertion (a forward
+    runs it every time: five launches for the pair, not ten), which still fails for a bad value in either, on any
+    head, naming both."""
+    from linattn.profiling import count_dispatch
+
+    q = torch.randn(1, 2, 5, 4)
+    good = torch.full((1, 2, 1, 1), 0.5)
+    scales = {"alpha": good, "beta": good.clone()}
+    scales[which] = torch.tensor([0.5, bad]).view(1, 2, 1, 1)
+    with pytest.raises(RuntimeError, match=f"{which} must be finite and > 0"):
+        ops.lln_attention(q, q, q, scales["alpha"], scales["beta"], impl="parallel")
+    with count_dispatch() as counts:
+        ops.lln_attention(q, q, q, good, good, impl="parallel")
+    assert counts.ops["_assert_async"] == 1
+    assert counts.ops["gt"] + counts.ops["lt"] + counts.ops["bitwise_and"] + counts.ops["all"] == 4
+
+
 @pytest.fixture
 def small_passes(monkeypatch):
     """One row (non-causal) or one chunk (causal) per pass: every pass boundary and carry is exercised."""

@@ -33,13 +33,13 @@ def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],
            window: int, causal: bool, order: Optional[Tensor] = None) -> LavoInputs:
-    """q, k, v, bases as given; P (H,2w-1) fp32 under autograd; the real tokens as tok (fp32) and valid (uint8) by
-    position; with ``order`` (B,N) (``real_tokens.real_first_order``'s, ``key_padding_mask`` then in that order) the
-    positions are those of each row's real-first order, as int32."""
+    """q, k, v, bases as given; P (H,2w-1) fp32 under autograd; the real tokens as tok (fp32) and valid (uint8: the
+    bool's bytes, a view) by position; with ``order`` (B,N) (``real_tokens.real_first_order``'s, ``key_padding_mask``
+    then in that order) the positions are those of each row's real-first order, as int32."""
     valid = window_valid(q, window, key_padding_mask)
     return LavoInputs(q, k, v, bases, pos_bias.to(compute_dtype(q)), valid.to(compute_dtype(q)),
-                      valid=valid.to(torch.uint8), order=None if order is None else order.to(torch.int32),
-                      causal=causal)
+                      valid=valid.contiguous().view(torch.uint8),
+                      order=None if order is None else order.to(torch.int32), causal=causal)
 
 
 def forward(x: LavoInputs) -> Tuple[Tensor, Tuple[Tensor, Tensor, Tensor]]:

@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..inputs import check_key_padding_mask, check_positive_scale, check_qkv
+from ..inputs import check_key_padding_mask, check_positive_scales, check_qkv
 from ..precision import autocast_off, compute_dtype
 from .features import _divide, _finite_or_zero, _with_ones
 
@@ -14,8 +14,9 @@ def _prepare(q, k, v, alpha, beta, key_padding_mask, same_length):
     check_qkv(q, k, v, same_length=same_length)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     ct = compute_dtype(q)
-    aq = check_positive_scale("alpha", alpha, q).to(ct) * q.to(ct)
-    bk = check_positive_scale("beta", beta, q).to(ct) * k.to(ct)
+    alpha, beta = check_positive_scales(q, alpha=alpha, beta=beta)
+    aq = alpha.to(ct) * q.to(ct)
+    bk = beta.to(ct) * k.to(ct)
     if key_padding_mask is not None:
         bk = bk.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
     return aq, bk, v.to(ct)

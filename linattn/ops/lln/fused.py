@@ -68,6 +68,7 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
 
 
 def _per_head(x: LLNInputs) -> Tuple[Tensor, Tensor]:
-    """alpha, beta (B,H) fp32, one per head as the kernels read them."""
+    """alpha, beta (B,H) fp32, one per head as the kernels read them: two contiguous halves of one stack (one
+    launch)."""
     b, h = x.q.shape[:2]
-    return tuple(t.expand(b, h, 1, 1).reshape(b, h).contiguous() for t in (x.alpha, x.beta))
+    return tuple(torch.stack([t.expand(b, h, 1, 1) for t in (x.alpha, x.beta)]).view(2, b, h))

@@ -4,7 +4,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..inputs import check_key_padding_mask, check_positive_int, check_positive_scale, check_qkv
+from ..inputs import check_key_padding_mask, check_positive_int, check_positive_scales, check_qkv
 from ..precision import compute_dtype
 
 
@@ -29,8 +29,7 @@ def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool, chunk_size:
     check_qkv(q, k, v, same_length=causal)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     ct = compute_dtype(q)
-    alpha = check_positive_scale("alpha", alpha, q).to(ct)
-    beta = check_positive_scale("beta", beta, q).to(ct)
+    alpha, beta = (t.to(ct) for t in check_positive_scales(q, alpha=alpha, beta=beta))
     if alpha.requires_grad or beta.requires_grad:
         q, k, alpha, beta = alpha * q.to(ct), beta * k.to(ct), torch.ones_like(alpha), torch.ones_like(beta)
     if upcast:

@@ -23,17 +23,20 @@ from .common import (
     TINY,
     block,
     block_rows,
+    cdiv,
     emulate_half_dot,
     half_dot,
     in_layout,
     inputs_in_layout,
     launch,
+    mask_bytes,
     new_grads,
     new_rows,
     op_grads,
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 
 
 @triton.jit
@@ -116,7 +119,7 @@ def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, order_ptr, aq_ptr, ak_ptr
     tl.store(dv_ptr + at_v, dv.to(dv_ptr.dtype.element_ty), mask=inside)
 
 
-@torch.library.custom_op("linattn::block_softmax", mutates_args=())
+@kernel_op("block_softmax")
 def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], order: Optional[Tensor], block_size: int,
                   causal: bool, average_with: Optional[Tensor]) -> Tensor:
     """q, k (B,H,N,D), v (B,H,N,Dv) half; mask (B,N) True = padded key and ``order`` (B,N) int32 its rows' real-first
@@ -128,7 +131,7 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], order
     fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
     mask_u8, order = _mask_and_order(mask, order, k)
     avg = out if average_with is None else in_layout(average_with, fairseq)
-    _forward[(triton.cdiv(n, block_size), b * h)](
+    _forward[(cdiv(n, block_size), b * h)](
         q, k, v, mask_u8, order, avg, out, b * h, h, n, d, dv, sqk, sv, block_size, 1 / math.sqrt(d),
         BB=block(block_size),
         BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
@@ -137,12 +140,12 @@ def block_softmax(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], order
     return out
 
 
-@block_softmax.register_fake
+@torch.library.register_fake(block_softmax)
 def _(q, k, v, mask, order, block_size, causal, average_with):
     return new_rows(q, v.shape[-1], q.dtype)
 
 
-@torch.library.custom_op("linattn::block_softmax_backward", mutates_args=())
+@kernel_op("block_softmax_backward")
 def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor],
                            order: Optional[Tensor], block_size: int, causal: bool, scale: float,
                            add_q: Optional[Tensor], add_k: Optional[Tensor],
@@ -157,7 +160,7 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     mask_u8, order = _mask_and_order(mask, order, k)
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
-    _backward[(triton.cdiv(n, block_size), b * h)](
+    _backward[(cdiv(n, block_size), b * h)](
         q, k, v, grad, mask_u8, order, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, sqk, sv, block_size,
         1 / math.sqrt(d), float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
         EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add, FAIRSEQ=fairseq,
@@ -165,18 +168,19 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     return op_grads(dq, dk, dv, packed)
 
 
-@block_softmax_backward.register_fake
+@torch.library.register_fake(block_softmax_backward)
 def _(q, k, v, grad, mask, order, block_size, causal, scale, add_q, add_k, add_v):
     return op_grads(*new_grads(q, k, v))
 
 
 def _mask_and_order(mask: Optional[Tensor], order: Optional[Tensor], stand_in: Tensor) -> Tuple[Tensor, Tensor]:
-    """The mask as uint8 and the order, contiguous, or ``stand_in`` for both without a mask (never read)."""
+    """The mask's bytes (``common.mask_bytes``) and the order, contiguous, or ``stand_in`` for both without a mask
+    (never read)."""
     if mask is None:
         return stand_in, stand_in
     if order is None:
         raise ValueError("block_softmax: a key padding mask needs its real-first order (real_tokens.real_first_order)")
-    return mask.to(torch.uint8).contiguous(), order.contiguous()
+    return mask_bytes(mask, stand_in), order.contiguous()
 
 
 def _strided_as(addend: Tensor, out: Tensor) -> Tensor:

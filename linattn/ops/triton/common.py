@@ -4,6 +4,7 @@ Loops over a runtime length are ``for ... in range(start, end, step)`` loops, wh
 GPU (a ``while`` loop it does not); Triton's interpreter takes their runtime bounds from 3.9 on (3.6's fails with
 NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its torch ships (3.6 with torch 2.11).
 """
+import functools
 import json
 import os
 from typing import Optional, Tuple
@@ -70,8 +71,8 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 3 tf32x3; 2 and 4 the same emulated under
     Triton's interpreter)."""
     wide_block = LAUNCH_128.get(kernel, {}) if block(max(d, dv)) > 64 else {}
-    settings = {**LAUNCH[kernel], **wide_block,
-                **json.loads(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})}
+    overrides = _overrides(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})
+    settings = {**LAUNCH[kernel], **wide_block, **overrides}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
     if "BV" in settings:
@@ -83,6 +84,12 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
         wide = TF32_SETTINGS[tf32]
         settings["WIDE"] = wide + 1 if wide and os.environ.get("TRITON_INTERPRET") == "1" else wide
     return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _overrides(text: str) -> dict:
+    """``LINATTN_TRITON_LAUNCH`` parsed, once per value (``launch`` runs on every kernel call; read, never changed)."""
+    return json.loads(text)
 
 
 def fairseq_layout(x: torch.Tensor) -> bool:
@@ -161,6 +168,12 @@ def new_rows(like: torch.Tensor, width: int, dtype: torch.dtype,
     return like.new_empty((b, h, n, width), dtype=dtype)
 
 
+def mask_bytes(mask: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
+    """A (B,N) bool key padding mask as the kernels read it (a byte a key, nonzero = padded): its bytes viewed as
+    uint8, no copy (a conversion would be a launch on every call), contiguous; ``stand_in`` (never read) for none."""
+    return stand_in if mask is None else mask.contiguous().view(torch.uint8)
+
+
 @triton.jit
 def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
     """Offsets (rows, cols) of head ``pid``'s rows ``rows`` and columns ``cols`` (B*H order) in a (B,H,R,·) tensor
@@ -173,7 +186,18 @@ def tile_at(pid, rows, cols, R, X, BH, FAIRSEQ: tl.constexpr):
 
 def block(n: int) -> int:
     """The power-of-two block (>= 16, the smallest tensor-core tile) that holds n rows or columns."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (>= 1), on the host: ``triton.next_power_of_2`` and ``triton.cdiv`` are
+    constexpr functions, a few µs a call, and a step calls these a few dozen times."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of positive ints, on the host (``next_power_of_2``)."""
+    return -(-a // b)
 
 
 def emulate_half_dot(dtype: torch.dtype) -> bool:

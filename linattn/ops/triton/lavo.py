@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..lavo.memory import memory_mean
 from .common import HALF, block, emulate_half_dot, half_dot, inputs_in_layout, launch, new_rows, tile_at, wide_dot
+from .kernel_op import kernel_op
 
 
 @triton.jit
@@ -166,7 +167,7 @@ def window_of(pos_bias: Tensor) -> int:
     return (pos_bias.shape[1] + 1) // 2
 
 
-@torch.library.custom_op("linattn::lavo", mutates_args=())
+@kernel_op("lavo")
 def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
          order: Optional[Tensor], causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """q, k, v (B,H,N,D) and bases (H,r,D) half, one dtype; pos_bias (H,2w-1) fp32; valid (B,nw*w) uint8 and tok
@@ -194,7 +195,7 @@ def lavo(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid
     return out, win, mean, coef
 
 
-@lavo.register_fake
+@torch.library.register_fake(lavo)
 def _(q, k, v, bases, pos_bias, valid, tok, order, causal):
     b, h, _, d = q.shape
     nw = tok.shape[1] // window_of(pos_bias)

@@ -22,6 +22,7 @@ from ..lavo.memory import memory_mean_grad
 from .common import (
     HALF,
     block,
+    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
@@ -32,6 +33,7 @@ from .common import (
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 from .lavo import load_bases, memory_probs, memory_rows, window_of, window_probs
 
 SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
@@ -142,7 +144,7 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, c
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
 
 
-@torch.library.custom_op("linattn::lavo_backward", mutates_args=())
+@kernel_op("lavo_backward")
 def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
                   order: Optional[Tensor], grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
                   causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -160,7 +162,7 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
                  FAIRSEQ=fairseq, ORDERED=order is not None)
     order = valid if order is None else order.contiguous()  # never read without an order
     dmean = q.new_empty((b, h, nw, r), dtype=torch.float32)
-    splits = triton.cdiv(nw, SPLIT_WINDOWS)
+    splits = cdiv(nw, SPLIT_WINDOWS)
     part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
     _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), order, dqg, dmean, part, b * h, h, n, nw, w, r,
                                   d, sqk, SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
@@ -174,7 +176,7 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     return (*op_grads(dq, dk, dv, packed), dbases.to(bases.dtype), dbias.sum((0, 2)))
 
 
-@lavo_backward.register_fake
+@torch.library.register_fake(lavo_backward)
 def _(q, k, v, bases, pos_bias, valid, tok, order, grad, win, mean, coef, causal):
     return (*op_grads(*new_grads(q, k, v)), torch.empty_like(bases),
             pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))

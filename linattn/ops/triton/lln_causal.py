@@ -31,15 +31,18 @@ from .common import (
     TINY,
     block,
     block_rows,
+    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
     launch,
     load_state,
+    mask_bytes,
     new_rows,
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 
 
 @triton.jit
@@ -130,7 +133,7 @@ def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, 
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
-@torch.library.custom_op("linattn::lln_causal", mutates_args=())
+@kernel_op("lln_causal")
 def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor], chunk: int,
                averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k (B,H,N,D), v (B,H,N,Dv) half; alpha, beta (B,H) fp32; mask (B,N) or None; ``chunk`` rows a chunk (<= N)
@@ -142,11 +145,11 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     nc = g.shape[2]
     dv = v.shape[-1]
     fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8 = mask_bytes(mask, k)
     sizes = dict(BC=block(chunk), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
                  FAIRSEQ=fairseq)
     walk = launch("lln_causal_states", d, dv)
-    _states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv, walk["BV"]))](
+    _states[(b * h, cdiv(d, walk["BF"]), cdiv(dv, walk["BV"]))](
         k, v, beta, mask_u8, m_prev, m_incl, s, b * h, h, n, d, dv, sqk, sv, nc, chunk, **sizes, **walk)
     _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, half, den, b * h, h, n, d, dv,
                           sqk, sv, nc, chunk, BD=block(d), BDV=block(dv), AVERAGED=averaged, **sizes,
@@ -154,7 +157,7 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     return out, half, s, den, m_prev, m_incl, g, rho, lse
 
 
-@lln_causal.register_fake
+@torch.library.register_fake(lln_causal)
 def _(q, k, v, alpha, beta, mask, chunk, averaged):
     return _empty(q, v, chunk, averaged)
 

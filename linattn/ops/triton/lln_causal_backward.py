@@ -25,16 +25,19 @@ from .common import (
     HALF,
     block,
     block_rows,
+    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
     launch,
     load_state,
+    mask_bytes,
     new_grads,
     op_grads,
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 
 
 @triton.jit
@@ -148,7 +151,7 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     tl.store(dk_ptr + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
 
 
-@torch.library.custom_op("linattn::lln_causal_backward", mutates_args=())
+@kernel_op("lln_causal_backward")
 def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, den: Tensor, alpha: Tensor,
                         beta: Tensor, mask: Optional[Tensor], m_prev: Tensor, m_incl: Tensor, g: Tensor, rho: Tensor,
                         lse: Tensor, s: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -159,13 +162,13 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     b, h, n, d = q.shape
     nc, c = g.shape[2:]
     dv_dim = v.shape[-1]
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8 = mask_bytes(mask, k)
     grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
     fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
     walk = launch("lln_causal_grad_states", d, dv_dim)
-    _grad_states[(b * h, triton.cdiv(d, walk["BF"]), triton.cdiv(dv_dim, walk["BV"]))](
+    _grad_states[(b * h, cdiv(d, walk["BF"]), cdiv(dv_dim, walk["BV"]))](
         q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, b * h, scale, n, d, dv_dim, sqk, nc, c, BC=block(c),
         BDV=block(dv_dim), FAIRSEQ=fairseq, **walk)
     _grads[(nc, b * h)](
@@ -177,6 +180,6 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     return op_grads(dq, dk, dv, packed)
 
 
-@lln_causal_backward.register_fake
+@torch.library.register_fake(lln_causal_backward)
 def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s, scale):
     return op_grads(*new_grads(q, k, v))

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import block, each_in_layout, launch, tile_at
+from .common import block, cdiv, each_in_layout, launch, tile_at
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def key_block_max(k: Tensor, beta: Tensor, mask_u8: Tensor, has_mask: bool, rows
     (B,N) uint8 (any tensor when not ``has_mask``) -> (B,H,D,nb) fp32: the maximum of beta k over each block of
     ``rows`` keys, -inf where a block has no key."""
     b, h, n, d = k.shape
-    nb = triton.cdiv(n, rows)
+    nb = cdiv(n, rows)
     fairseq, (sk,), (k,) = each_in_layout(k)
     out = torch.empty((b, h, d, nb), dtype=torch.float32, device=k.device)
     _block_max[(nb, b * h)](k, beta, mask_u8, out, b * h, h, n, d, sk, nb, rows, BR=min(block(rows), 64),

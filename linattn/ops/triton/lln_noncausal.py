@@ -20,15 +20,18 @@ from .common import (
     HALF,
     TINY,
     block,
+    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
     launch,
     load_state,
+    mask_bytes,
     new_rows,
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 from .lln_key_max import key_block_max
 
 # Both read at call time, here and by the backward (lln_noncausal_backward.py); SPLIT_ROWS a multiple of ROWS.
@@ -104,7 +107,7 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, half_ptr, den_ptr, BH, N, 
     tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
-@torch.library.custom_op("linattn::lln_noncausal", mutates_args=())
+@kernel_op("lln_noncausal")
 def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mask: Optional[Tensor],
                   averaged: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) half; alpha, beta (B,H) fp32; mask (B,S) or None -> out (B,H,N,Dv)
@@ -114,24 +117,24 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
     b, h, n, d = q.shape
     dv = v.shape[-1]
     fairseq, sqk, sv, (q, k, v) = inputs_in_layout(q, k, v)
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8 = mask_bytes(mask, k)
     length = k.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
     top = key_block_max(k, beta, mask_u8, mask is not None, SPLIT_ROWS)  # each split's, -inf where no key
-    splits = max(1, triton.cdiv(length, SPLIT_ROWS))
+    splits = max(1, cdiv(length, SPLIT_ROWS))
     part = s.new_empty((b, h, splits, d, dv + 1))  # each split's [S, z], summed below: deterministic, no atomics
     _state[(b * h, splits)](k, v, beta, top, m, mask_u8, part, b * h, h, length, SPLIT_ROWS, d, dv, sqk, sv, BLOCK=ROWS,
                             FAIRSEQ=fairseq,
                             BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
+    _readout[(b * h, cdiv(n, ROWS))](q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
                                            FAIRSEQ=fairseq, BD=block(d), BDV=block(dv), AVERAGED=averaged,
                                            **launch("lln_noncausal_readout", d))
     return out, half, s, den, m
 
 
-@lln_noncausal.register_fake
+@torch.library.register_fake(lln_noncausal)
 def _(q, k, v, alpha, beta, mask, averaged):
     return _empty(q, v, averaged)
 

@@ -17,7 +17,19 @@ import triton.language as tl
 from torch import Tensor
 
 from . import lln_noncausal as forward
-from .common import block, inputs_in_layout, launch, load_state, new_grads, op_grads, tile_at, wide_dot
+from .common import (
+    block,
+    cdiv,
+    inputs_in_layout,
+    launch,
+    load_state,
+    mask_bytes,
+    new_grads,
+    op_grads,
+    tile_at,
+    wide_dot,
+)
+from .kernel_op import kernel_op
 
 
 @triton.jit
@@ -100,7 +112,7 @@ def _rows_grad(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, alpha_ptr, beta_ptr, m_pt
              mask=(rows[:, None] < S) & (e[None, :] < DV))
 
 
-@torch.library.custom_op("linattn::lln_noncausal_backward", mutates_args=())
+@kernel_op("lln_noncausal_backward")
 def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, alpha: Tensor, beta: Tensor,
                            m: Tensor, s: Tensor, den: Tensor, mask: Optional[Tensor],
                            scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -113,20 +125,20 @@ def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: T
     m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
-    splits = max(1, triton.cdiv(n, split_rows))
+    splits = max(1, cdiv(n, split_rows))
     part = s.new_empty((b, h, splits, d, dv_dim + 1))  # each split's dL/d[S, z], summed below: no atomics
     _state_grad[(b * h, splits)](q, grad, out, alpha, m, den, part, b * h, scale, n, split_rows, d, dv_dim, sqk,
                                  BLOCK=rows, FAIRSEQ=fairseq,
                                  BD=block(d), BDV=block(dv_dim), **launch("lln_noncausal_state_grad", d))
     ds = part.sum(2)
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
-    _rows_grad[(b * h, triton.cdiv(max(n, length), rows))](
+    mask_u8 = mask_bytes(mask, k)
+    _rows_grad[(b * h, cdiv(max(n, length), rows))](
         q, k, v, grad, out, alpha, beta, m, mask_u8, s, den, ds, dq, dk, dv, b * h, scale, h, n, length, d, dv_dim,
         sqk, sv, BLOCK=rows, FAIRSEQ=fairseq,
         BD=block(d), BDV=block(dv_dim), HAS_MASK=mask is not None, **launch("lln_noncausal_rows_grad", d))
     return op_grads(dq, dk, dv, packed)
 
 
-@lln_noncausal_backward.register_fake
+@torch.library.register_fake(lln_noncausal_backward)
 def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
     return op_grads(*new_grads(q, k, v))

@@ -12,7 +12,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..moment_matching import _MIN_S2, MIN_SIGMA
-from .common import launch
+from .common import launch, next_power_of_2
+from .kernel_op import kernel_op
 
 MIN_SIGMA, MIN_S2 = tl.constexpr(MIN_SIGMA), tl.constexpr(_MIN_S2)  # read by the kernels
 
@@ -100,7 +101,7 @@ def _fold(moments_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, B
     tl.store(bk_ptr + g, tl.where(finite, m * old_k + (1 - m) * vk, old_k).to(bk_ptr.dtype.element_ty), mask=ok)
 
 
-@torch.library.custom_op("linattn::lln_scales", mutates_args=())
+@kernel_op("lln_scales")
 def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
                ) -> Tuple[Tensor, Tensor]:
     """Moments (5, G) float64 (``second`` unused) or the buffers var q, var k (G,) -> stats (5, G) float64 (sigma q,
@@ -109,11 +110,11 @@ def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: flo
     moments = first.dim() == 2
     g = first.shape[-1]
     _scales[(1,)](first, second, stats, ab, g, A=a, B=b, MAX_SCALE=max_scale, MOMENTS=moments,
-                  BLOCK=triton.next_power_of_2(g), **launch("lln_moment_scales", 0))
+                  BLOCK=next_power_of_2(g), **launch("lln_moment_scales", 0))
     return stats, ab
 
 
-@lln_scales.register_fake
+@torch.library.register_fake(lln_scales)
 def _(first, second, a, b, max_scale, dtype):
     return _empty(first, dtype)
 
@@ -123,15 +124,15 @@ def _empty(first: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     return first.new_empty((5, g), dtype=torch.float64), first.new_empty((2, g), dtype=dtype)
 
 
-@torch.library.custom_op("linattn::fold_moments", mutates_args=("buf_q", "buf_k", "batches"))
+@kernel_op("fold_moments", mutates_args=("buf_q", "buf_k", "batches"))
 def fold_moments(moments: Tensor, buf_q: Tensor, buf_k: Tensor, batches: Optional[Tensor], momentum: float) -> None:
     """Fold moments (5, G) float64 into the float32 buffers buf_q, buf_k (G,) in place (``_fold``): the running
     statistics with ``batches`` (the int64 count of batches folded), else an EMA."""
     g = moments.shape[-1]
     _fold[(1,)](moments, buf_q, buf_k, batches, g, MOMENTUM=momentum, BATCH=batches is not None,
-                BLOCK=triton.next_power_of_2(g), **launch("lln_moment_fold", 0))
+                BLOCK=next_power_of_2(g), **launch("lln_moment_fold", 0))
 
 
-@fold_moments.register_fake
+@torch.library.register_fake(fold_moments)
 def _(moments, buf_q, buf_k, batches, momentum):
     return None

@@ -20,15 +20,18 @@ from torch import Tensor
 from .common import (
     HALF,
     block,
+    cdiv,
     each_in_layout,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
     launch,
+    mask_bytes,
     new_rows,
     tile_at,
     wide_dot,
 )
+from .kernel_op import kernel_op
 
 ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
 SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
@@ -127,9 +130,9 @@ def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optiona
     fairseq, (sx, sw), (x, w) = each_in_layout(x, w)
     dv, num = w.shape[-1], land.shape[2]
     assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
-    splits = max(1, triton.cdiv(n, SPLIT_ROWS))
+    splits = max(1, cdiv(n, SPLIT_ROWS))
     part = land.new_empty((b, h, splits, num, dv))  # each split's share, summed below: deterministic, no atomics
-    _state[(b * h, splits)](x, w, land, used, _mask_u8(mask, x), part, b * h, d ** -0.25, h, n, SPLIT_ROWS,
+    _state[(b * h, splits)](x, w, land, used, mask_bytes(mask, x), part, b * h, d ** -0.25, h, n, SPLIT_ROWS,
                             d, dv, sx, sw, num,
                             BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
                             EMULATE=emulate_half_dot(x.dtype), HAS_MASK=mask is not None, KEYS=keys, FAIRSEQ=fairseq,
@@ -137,12 +140,7 @@ def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optiona
     return part.sum(2)
 
 
-def _mask_u8(mask: Optional[Tensor], like: Tensor) -> Tensor:
-    """The padding mask as uint8 for the kernels (any tensor where there is none: not read)."""
-    return like if mask is None else mask.to(torch.uint8).contiguous()
-
-
-@torch.library.custom_op("linattn::nystrom_apply", mutates_args=())
+@kernel_op("nystrom_apply")
 def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, used: Tensor,
                   mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """q, k (B,H,N,D), v (B,H,N,Dv) half; land (B,H,L,D) the landmarks scaled by D^(-1/4) and m_inv (B,H,L,L) M^-1,
@@ -155,7 +153,7 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     land, used = land.contiguous(), used.contiguous()
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()
-    _readout[(b * h, triton.cdiv(n, ROWS))](q, land, used, _mask_u8(mask, q), u, out, b * h, d ** -0.25, h, n, d,
+    _readout[(b * h, cdiv(n, ROWS))](q, land, used, mask_bytes(mask, q), u, out, b * h, d ** -0.25, h, n, d,
                                            dv, sq, num, FAIRSEQ=fairseq,
                                            BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
                                            HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
@@ -163,7 +161,7 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     return out, t, u
 
 
-@nystrom_apply.register_fake
+@torch.library.register_fake(nystrom_apply)
 def _(q, k, v, land, m_inv, used, mask):
     small = land.new_empty(land.shape[:3] + v.shape[3:])
     return _empty(q, v), small, torch.empty_like(small)

@@ -15,7 +15,20 @@ import triton.language as tl
 from torch import Tensor
 
 from . import nystrom as forward
-from .common import HALF, block, emulate_half_dot, inputs_in_layout, launch, new_grads, op_grads, tile_at, wide_dot
+from .common import (
+    HALF,
+    block,
+    cdiv,
+    emulate_half_dot,
+    inputs_in_layout,
+    launch,
+    mask_bytes,
+    new_grads,
+    op_grads,
+    tile_at,
+    wide_dot,
+)
+from .kernel_op import kernel_op
 from .nystrom import kernel_block, landmarks
 
 
@@ -62,7 +75,7 @@ def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, d
     tl.store(at + j[:, None] * D + d[None, :], dl - col[:, None] * land, mask=(j[:, None] < L) & (d[None, :] < D))
 
 
-@torch.library.custom_op("linattn::nystrom_apply_backward", mutates_args=())
+@kernel_op("nystrom_apply_backward")
 def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: Tensor, m_inv: Tensor,
                            used: Tensor, mask: Optional[Tensor], t: Tensor,
                            u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -79,9 +92,9 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     split_rows = forward.SPLIT_ROWS
     settings = launch("nystrom_rows_grad", d, dv_dim)  # its BLOCK: rows a step (C and dE (BLOCK, L) in registers)
     assert split_rows % settings["BLOCK"] == 0, (split_rows, settings["BLOCK"])
-    splits = max(1, triton.cdiv(n, split_rows))
+    splits = max(1, cdiv(n, split_rows))
     part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
-    mask_u8 = k if mask is None else mask.to(torch.uint8).contiguous()
+    mask_u8 = mask_bytes(mask, k)
     for first, (x, a, w, dx, sa) in enumerate([(q, grad, u, dq, dv_dim), (k, v, dt, dk, sv)]):
         _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, dv, part, b * h, d ** -0.25, h, n,
                                     split_rows, first * splits, 2 * splits, d, dv_dim, sqk, sa, num, BD=block(d),
@@ -91,6 +104,6 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     return (*op_grads(dq, dk, dv, packed), part.sum(2), t @ du.mT)
 
 
-@nystrom_apply_backward.register_fake
+@torch.library.register_fake(nystrom_apply_backward)
 def _(q, k, v, grad, land, m_inv, used, mask, t, u):
     return (*op_grads(*new_grads(q, k, v)), torch.empty_like(land), torch.empty_like(m_inv))
