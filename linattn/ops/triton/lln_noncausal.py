@@ -129,8 +129,8 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
     _readout[(b * h, cdiv(n, ROWS))](q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
-                                           FAIRSEQ=fairseq, BD=block(d), BDV=block(dv), AVERAGED=averaged,
-                                           **launch("lln_noncausal_readout", d))
+                                     FAIRSEQ=fairseq, BD=block(d), BDV=block(dv), AVERAGED=averaged,
+                                     **launch("lln_noncausal_readout", d))
     return out, half, s, den, m
 
 

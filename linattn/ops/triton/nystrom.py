@@ -154,10 +154,10 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()
     _readout[(b * h, cdiv(n, ROWS))](q, land, used, mask_bytes(mask, q), u, out, b * h, d ** -0.25, h, n, d,
-                                           dv, sq, num, FAIRSEQ=fairseq,
-                                           BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
-                                           HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
-                                           HAS_MASK=mask is not None, **launch("nystrom_readout", d))
+                                     dv, sq, num, FAIRSEQ=fairseq,
+                                     BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
+                                     HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
+                                     HAS_MASK=mask is not None, **launch("nystrom_readout", d))
     return out, t, u
 
 
