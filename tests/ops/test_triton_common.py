@@ -77,6 +77,25 @@ def test_launch_takes_the_wide_block_settings_where_d_or_dv_needs_a_block_of_128
     assert launch("lln_causal_grads", 128)["num_warps"] == 1
 
 
+def test_launch_settings_follow_a_replaced_table_and_are_the_callers_own(monkeypatch):
+    """``launch`` works its answer out once per kernel, sizes, override and table (every kernel call asks): a table
+    replaced after a call (as the test above does) is seen, not the answer cached before; an answer changed by its
+    caller changes no later one."""
+    from linattn.ops.triton import common
+
+    before = launch("lln_causal_grads", 128)
+    monkeypatch.setattr(common, "LAUNCH_128", {"lln_causal_grads": {"num_warps": 1}})
+    assert launch("lln_causal_grads", 128)["num_warps"] == 1
+    changed = {**common.LAUNCH["lln_causal_grads"], "num_stages": 3}
+    monkeypatch.setattr(common, "LAUNCH", {**common.LAUNCH, "lln_causal_grads": changed})
+    assert launch("lln_causal_grads", 128)["num_stages"] == 3
+    monkeypatch.undo()
+    mine = launch("lln_causal_grads", 128)
+    assert mine == before
+    mine["num_warps"] = 99
+    assert launch("lln_causal_grads", 128) == before
+
+
 @pytest.mark.parametrize("b, h, n", [(2, 3, 5), (1, 3, 5), (2, 1, 5), (1, 1, 5), (2, 3, 1)])
 def test_head_stride_tells_fairseqs_own_and_packed_layouts_from_the_others(b, h, n):
     x = torch.randn(b, h, n, 4)

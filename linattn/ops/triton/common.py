@@ -69,10 +69,18 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     """The launch keywords of ``kernel`` (a key of ``LAUNCH``) at head size d (value size dv, default d), with
     ``LAUNCH_128``'s where either needs a block of 128: BF and BV at most d's and dv's block; TF32 (false, true or
     "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 3 tf32x3; 2 and 4 the same emulated under
-    Triton's interpreter)."""
+    Triton's interpreter). Worked out once per kernel, sizes, ``LINATTN_TRITON_LAUNCH`` value and table (every
+    kernel call asks)."""
+    return dict(_settings(kernel, d, dv, os.environ.get("LINATTN_TRITON_LAUNCH", "{}"),
+                          os.environ.get("TRITON_INTERPRET") == "1", id(LAUNCH), id(LAUNCH_128)))
+
+
+@functools.lru_cache(maxsize=256)
+def _settings(kernel: str, d: int, dv: int, overrides: str, interpret: bool, *tables: int) -> tuple:
+    """``launch``'s keywords as (name, value) pairs; ``tables``: the ids of the tables read (a table replaced, as a
+    test does, is another key)."""
     wide_block = LAUNCH_128.get(kernel, {}) if block(max(d, dv)) > 64 else {}
-    overrides = _overrides(os.environ.get("LINATTN_TRITON_LAUNCH", "{}")).get(kernel, {})
-    settings = {**LAUNCH[kernel], **wide_block, **overrides}
+    settings = {**LAUNCH[kernel], **wide_block, **json.loads(overrides).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
     if "BV" in settings:
@@ -82,14 +90,8 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
         if tf32 not in TF32_SETTINGS:
             raise ValueError(f"{kernel}: TF32 must be false, true or \"x3\", got {tf32!r}")
         wide = TF32_SETTINGS[tf32]
-        settings["WIDE"] = wide + 1 if wide and os.environ.get("TRITON_INTERPRET") == "1" else wide
-    return settings
-
-
-@functools.lru_cache(maxsize=8)
-def _overrides(text: str) -> dict:
-    """``LINATTN_TRITON_LAUNCH`` parsed, once per value (``launch`` runs on every kernel call; read, never changed)."""
-    return json.loads(text)
+        settings["WIDE"] = wide + 1 if wide and interpret else wide
+    return tuple(settings.items())
 
 
 def fairseq_layout(x: torch.Tensor) -> bool:
