@@ -19,10 +19,12 @@ import argparse
 import collections
 import inspect
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -170,27 +172,37 @@ def _width(opcode: str) -> int:
 
 
 def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], overrides: Optional[dict] = None,
-          only: Optional[List[str]] = None, arch: int = 90) -> List[dict]:
+          only: Optional[List[str]] = None, arch: int = 90, jobs: int = 1) -> List[dict]:
     """One row per kernel build for each (half dtype, D = Dv) of ``configs``: at LAUNCH's settings (updated by
     ``overrides`` {key: settings}), and at the configurations of ``variants_at`` each kernel's tuning alternatives
     (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
-    the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch``."""
-    rows = []
+    the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch`` by ``jobs`` processes (a build is one
+    core's work: Triton's passes, then ptxas), the rows in that order."""
+    builds = []  # (half, d, the kernel's index in kernels(), change)
     for half, d in configs:
-        for kernel, key, consts in kernels(HALF[half]):
+        for index, (_, key, _) in enumerate(kernels(HALF[half])):
             if only and key not in only:
                 continue
             base = (overrides or {}).get(key, {})
             own = launch(key, d)
-            changes = [base] + [{**base, setting: value} for setting, value in VARIANTS
-                                if (half, d) in variants_at and setting in own and own[setting] != value]
-            for change in changes:
-                compiled, settings = build(kernel, key, consts, half, d, change, arch)
-                causal = consts.get("CAUSAL")
-                rows.append(dict(arch=arch, dtype=half, d=d, kernel=key, causal=causal, change=change,
-                                 num_warps=settings["num_warps"], **resources(compiled)))
-                print(_line(rows[-1]), flush=True)
-    return rows
+            builds += [(half, d, index, change, arch) for change in [base] + [
+                {**base, setting: value} for setting, value in VARIANTS
+                if (half, d) in variants_at and setting in own and own[setting] != value]]
+    if jobs == 1:
+        return [_row(job) for job in builds]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_row, builds))
+
+
+def _row(job: Tuple[str, int, int, dict, int]) -> dict:
+    """The row of one build of ``table``'s (half, d, the kernel's index, change, arch), printed as it is done."""
+    half, d, index, change, arch = job
+    kernel, key, consts = kernels(HALF[half])[index]
+    compiled, settings = build(kernel, key, consts, half, d, change, arch)
+    row = dict(arch=arch, dtype=half, d=d, kernel=key, causal=consts.get("CAUSAL"), change=change,
+               num_warps=settings["num_warps"], **resources(compiled))
+    print(_line(row), flush=True)
+    return row
 
 
 def name(row: dict) -> str:
@@ -233,6 +245,12 @@ def _config(text: str) -> Tuple[str, int]:
     return half, int(d)
 
 
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of processes, 1 or more")
+    return int(text)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", type=_config, default=[_config(c) for c in CONFIGS],
@@ -242,10 +260,12 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", nargs="+", choices=sorted(LAUNCH), help="only these (default: all)")
     parser.add_argument("--set", type=json.loads, default={}, help='launch overrides, {"kernel": {"num_warps": 8}}')
     parser.add_argument("--arch", type=int, choices=sorted(SHARED_KIB), default=90, help="sm_ARCH: 90 H100, 80 A100")
+    parser.add_argument("--jobs", type=_jobs, default=len(os.sched_getaffinity(0)),
+                        help="builds at once, one a process (default: this process's cores)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown-against", help="then print a markdown table of this earlier run's JSON -> this one")
     args = parser.parse_args(argv)
-    rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch)
+    rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch, args.jobs)
     spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
     beyond = [f"{row['dtype']}:{row['d']} {name(row)}" for row in spilling
               if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)]

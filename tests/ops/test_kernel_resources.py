@@ -53,6 +53,19 @@ def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_row
     assert lavo[True]["num_warps"] == 8 and lavo[True]["replicated_dots"] == 0 < lavo[False]["replicated_dots"]
 
 
+def test_builds_in_several_processes_give_one_process_s_rows_in_order(tmp_path, capsys):
+    """``--jobs``: the builds spread over processes come back as the rows one process makes, in the same order (a
+    pool that returned them as they finish would not); a count below 1 is refused at parsing."""
+    from linattn_tools.benchmark.kernel_resources import main
+    args = ("--configs", "fp16:64", "bf16:64", "--kernels", "lln_moment_fold", "lln_key_max", "lln_token_moments")
+    one, two = (resources(sys.executable, tmp_path, *args, "--jobs", jobs) for jobs in ("1", "2"))
+    assert one == two and [row["kernel"] for row in one] == ["lln_key_max", "lln_token_moments", "lln_moment_fold"] * 2
+    assert [row["dtype"] for row in one] == ["fp16"] * 3 + ["bf16"] * 3
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0"])
+    assert "argument --jobs: '0': expected a whole number of processes, 1 or more" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("triton_of", ["this venv", "torch 2.11"])
 def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, tmp_path):
