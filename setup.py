@@ -45,6 +45,6 @@ setup(
     # Triton: its interpreter runs the fused kernels' tests on the CPU (3.9.0; they skip below 3.9, whose interpreter
     # cannot take a runtime loop bound); compiled, the kernels ran on an H100 with 3.6.0, which torch 2.11's CUDA wheels
     # ship. A lower bound only, so that a CUDA torch keeps the Triton it requires
-    extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6",
+    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "ruff==0.17.6",
                              'triton>=3.6; platform_system == "Linux"']},
 )

@@ -5,4 +5,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest "$@"
+# a worker a core (pytest-xdist), each test file whole in one worker (its module fixtures made once);
+# PYTEST_WORKERS=0 runs the tests in pytest's own process, PYTEST_WORKERS=N in N workers
+exec "$ROOT/.venv/bin/python" -m pytest -n "${PYTEST_WORKERS:-auto}" --dist loadfile "$@"

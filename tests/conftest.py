@@ -4,10 +4,19 @@ import os
 # Triton's interpreter runs the fused kernels on CPU tensors (tests/ops/test_lln_fused.py). Triton reads this once,
 # when it is first imported, which another test's torch.compile may do first: set here, before any test module.
 os.environ["TRITON_INTERPRET"] = "1"
+# pytest-xdist (scripts/run_tests.sh starts a worker a core): a worker's torch and the processes its tests start take
+# its share of the cores, not all of them each (OpenMP threads beyond the cores spin against each other)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(variable, str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers import FILL_ENV  # noqa: E402
+
+if WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture

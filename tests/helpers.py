@@ -1,6 +1,7 @@
 """What the tests share (fixtures and pytest options are in conftest.py): the repository root, error measures,
 padding masks, fairseq's layout, a value-and-gradient comparison, a probe of the largest tensor an op makes, and a
 venv with torch 2.11 (a GPU machine's torch and Triton)."""
+import fcntl
 import subprocess
 import sys
 import sysconfig
@@ -155,13 +156,16 @@ def torch_211_python() -> Path:
     """A venv with torch 2.11.0 (and the Triton 3.6 it ships with) that sees this venv's other packages (a .pth after
     its own site-packages); made on first use (slow tier)."""
     python = TORCH_211_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(TORCH_211_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.11.0"],
-                       check=True, timeout=1800)
-    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    with open(ROOT / ".venv-torch2.11.lock", "w") as lock:  # pytest-xdist: one worker makes it, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (TORCH_211_VENV / ".installed").exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(TORCH_211_VENV)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                            "torch==2.11.0"], check=True, timeout=1800)
+            (TORCH_211_VENV / ".installed").touch()
+        site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+        Path(site, "zz_linattn_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
 
