@@ -28,8 +28,8 @@ from linattn.ops.moment_matching import (
 )
 
 _F64 = torch.float64
-# what a forward keeps for logging (plain attributes: set through ``__dict__``, not ``nn.Module.__setattr__``'s
-# checks, five a forward)
+# what a forward keeps for logging (plain attributes, assigned one by one: Dynamo on torch 2.11 breaks the graph at
+# an update of the module's ``__dict__``)
 LAST = ("last_sigma_q", "last_sigma_k", "last_alpha", "last_beta", "last_tau")
 
 
@@ -153,7 +153,7 @@ class MomentMatcher(nn.Module):
             self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
         # sum q, sum q², sum k, sum k², token entries of the training forwards not folded in yet (folds_deferred)
         self.register_buffer("pending_moments", torch.zeros(5, groups, dtype=_F64), persistent=False)
-        self.__dict__.update(dict.fromkeys(LAST))
+        self.last_sigma_q = self.last_sigma_k = self.last_alpha = self.last_beta = self.last_tau = None
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, stats={self.stats}, per_head={self.per_head}, a={self.a:.6g}, "
@@ -216,7 +216,7 @@ class MomentMatcher(nn.Module):
         from linattn.ops.triton.moment_match import lln_scales
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
         stats, ab = lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
-        self.__dict__.update(zip(LAST, stats.unbind(0)))
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
 
     def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
@@ -232,7 +232,8 @@ class MomentMatcher(nn.Module):
         x = (ab ** 2 * sigma ** 2).sum(0)
         # eq. 11; the exact table replaces the line a x + b by the measured curve at s² = x / 2
         var_lln = self.table.variance(x / 2) if self.mode == "exact" else self.a * x + self.b
-        self.__dict__.update(zip(LAST, (sigma[0], sigma[1], ab[0], ab[1], var_lln.clamp_min(1e-12).rsqrt())))
+        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta = sigma[0], sigma[1], ab[0], ab[1]
+        self.last_tau = var_lln.clamp_min(1e-12).rsqrt()
         shape = (sigma.shape[1] if sigma.dim() == 3 else 1, -1, 1, 1)  # (B, G) per sequence
         ab = ab.to(compute_dtype(like))
         return ab[0].view(shape), ab[1].view(shape)
