@@ -178,7 +178,7 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
     (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
     the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch`` by ``jobs`` processes (a build is one
     core's work: Triton's passes, then ptxas), the rows in that order."""
-    builds = []  # (half, d, the kernel's index in kernels(), change)
+    builds = []  # (half, d, the kernel's index in kernels(), change, arch): what _row builds
     for half, d in configs:
         for index, (_, key, _) in enumerate(kernels(HALF[half])):
             if only and key not in only:
