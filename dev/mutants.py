@@ -273,6 +273,9 @@ MUTANTS = [
     M("config-compiled-looped", "linattn/config.py", 'if self.attention_compile and self.attention_impl == "looped":',
       "if False:", "--attention-compile accepted with the looped implementation (unrolled loops in the graph)",
       ("tests/plugin/test_options.py",)),
+    M("compile-shapes-heads-not-lengths", "linattn/compile_shapes.py", "VARYING_DIMS = {4: (0, 2), 2: (0, 1)}",
+      "VARYING_DIMS = {4: (0, 1), 2: (0, 1)}", "--attention-compile marks the head count dynamic instead of the "
+      "length: every new length recompiles", ("tests/ops/test_compile_shapes.py",)),
     M("compile-check-buffers-kept", MOD + "compile_check.py", "b.copy_(buffers[name])", "b.copy_(b)",
       "the first-step check leaves its runs' moment statistics in the buffers",
       ("tests/plugin/test_compile_check.py",)),

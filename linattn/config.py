@@ -73,8 +73,9 @@ class AttentionConfig:
         "device and under --attention-compile",
         choices=("auto", "parallel", "looped", "fused"))
     attention_compile: bool = option(
-        False, "compile each attention's op call with torch.compile (dynamic shapes; torch >= 2.11): fused Triton "
-        "kernels on a GPU, C++ on the CPU; each new input shape first pays its compile time")
+        False, "compile each attention's op call with torch.compile (batch and lengths dynamic, heads and head size "
+        "fixed; torch >= 2.11): fused Triton kernels on a GPU, C++ on the CPU; the first batch pays the compile time "
+        "(a batch of one: its own)")
     attention_compile_check: str = option(
         "first-step", "with --attention-compile: first-step = each module's first training step also runs eagerly "
         "and training stops if the compiled output or a gradient differs (one extra step per module and run); "

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from linattn.compile_shapes import compile_varying_lengths
 from linattn.tolerances import tolerance
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def check_torch_for_compile(version: Optional[str] = None) -> None:
 
 
 def compile_attend(module) -> Callable:
-    """``module.attend`` under ``torch.compile`` with dynamic shapes; random numbers drawn as eager draws them
-    (Inductor's own generator would give Skyformer's landmarks and dropout other draws than eager's)."""
-    return torch.compile(module.attend, dynamic=True, options={"fallback_random": True})
+    """``module.attend`` under ``torch.compile``, its batch size and lengths symbolic (``compile_varying_lengths``);
+    random numbers drawn as eager draws them (Inductor's own generator would give Skyformer's landmarks and dropout
+    other draws than eager's)."""
+    return compile_varying_lengths(module.attend, options={"fallback_random": True})
 
 
 def _rel_err(got: Tensor, want: Tensor) -> float:

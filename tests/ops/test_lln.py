@@ -6,6 +6,7 @@ import torch
 from helpers import LargestTensor, padding_mask, rel_err
 
 from linattn import ops
+from linattn.compile_shapes import compile_varying_lengths
 from linattn.ops import working_set
 from linattn.ops.lln import lln_decode_init, lln_decode_step
 from linattn.ops.lln import looped as lln_looped
@@ -288,7 +289,8 @@ def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, mo
 @pytest.mark.parametrize("op", ["lln", "causal_lln", "causal_lln_diag", "block_softmax"])
 def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
     """LLN (both modes), LLN+Diag's fused average and block softmax in their parallel implementations under
-    ``torch.compile(fullgraph=True, dynamic=True)``: values and gradients equal eager (one shape each)."""
+    ``compile_varying_lengths(fn, fullgraph=True)`` (as ``--attention-compile`` compiles them): values and gradients
+    equal eager (one shape each)."""
     q, k, v = (t.float().requires_grad_() for t in _inputs(gen, n=23))
     mask = padding_mask(2, 23, "left", gen)
     alpha = torch.tensor([1.3, 0.8, 1.1])[None, :, None, None]
@@ -301,7 +303,7 @@ def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
             return ops.lln_diag_attention(q, k, v, alpha, 0.6, causal=True, chunk_size=4, block_size=5, **kw)
         return ops.lln_attention(q, k, v, alpha, 0.6, causal=op == "causal_lln", chunk_size=4, **kw)
 
-    got = torch.compile(fn, fullgraph=True, dynamic=True)(q, k, v, mask, alpha)
+    got = compile_varying_lengths(fn, fullgraph=True)(q, k, v, mask, alpha)
     want = fn(q, k, v, mask, alpha)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     g = torch.randn(want.shape, generator=gen)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from linattn import ops
+from linattn.compile_shapes import compile_varying_lengths
 from linattn.ops import working_set
 from linattn.profiling import saved_bytes
 
@@ -105,13 +106,14 @@ def test_lavo_runs_on_the_meta_device(impl, causal):
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_lavo_parallel_compiles_without_graph_breaks_and_equals_eager(gen, causal):
-    """torch.compile(fullgraph=True, dynamic=True): one graph (a break raises), its forward and the backward
-    AOTAutograd compiles from the hand-written one give eager's values, two lengths (one dynamic graph)."""
+    """``compile_varying_lengths(op, fullgraph=True)``, as ``--attention-compile`` compiles: one graph (a break
+    raises), its forward and the backward AOTAutograd compiles from the hand-written one give eager's values, two
+    lengths (one dynamic graph)."""
     def op(q, k, v, bases, pos_bias, mask):
         return ops.lavo_attention(q, k, v, bases, pos_bias, window=4, causal=causal, key_padding_mask=mask,
                                   impl="parallel")
 
-    compiled = torch.compile(op, fullgraph=True, dynamic=True)
+    compiled = compile_varying_lengths(op, fullgraph=True)
     for n in (23, 30):
         args = [t.float().requires_grad_() for t in _inputs(gen, n, 4, 6)]
         results = []

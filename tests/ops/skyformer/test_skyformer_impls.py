@@ -5,6 +5,7 @@ import torch
 from helpers import padding_mask, rel_err
 
 from linattn import ops
+from linattn.compile_shapes import compile_varying_lengths
 from linattn.ops import working_set
 from linattn.ops.skyformer.nystrom import landmark_inverse as _kernel_inverse
 
@@ -85,15 +86,15 @@ def test_iterative_inverse_gradcheck_with_unused_slots(gen, gamma):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["skyformer", "kernelized"])
 def test_parallel_form_compiles_in_one_graph_and_equals_eager(gen, method):
-    """torch.compile(fullgraph=True, dynamic=True): no graph break, and values and gradients as eager (eval
-    landmarks: Inductor's random numbers are not eager's)."""
+    """``compile_varying_lengths(fn, fullgraph=True)``, as ``--attention-compile`` compiles: no graph break, and
+    values and gradients as eager (eval landmarks: Inductor's random numbers are not eager's)."""
     mask = padding_mask(2, 37, "right", gen)
     if method == "skyformer":
         fn = lambda q, k, v: ops.skyformer_attention(q, k, v, num_landmarks=6, key_padding_mask=mask,  # noqa: E731
                                                      training=False, impl="parallel")
     else:
         fn = lambda q, k, v: ops.kernelized_attention(q, k, v, key_padding_mask=mask, impl="parallel")  # noqa: E731
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    compiled = compile_varying_lengths(fn, fullgraph=True)
     q, k, v = (torch.randn(2, 3, 37, 8, generator=gen, requires_grad=True) for _ in range(3))
     g = torch.randn(2, 3, 37, 8, generator=gen)
     results = []

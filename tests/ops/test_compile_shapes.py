@@ -1,0 +1,47 @@
+"""``linattn.compile_shapes``: what ``--attention-compile`` makes symbolic. One graph serves new batch sizes, query
+lengths and key lengths; a new head count or head size is a new graph (they are constants of a module)."""
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from linattn.compile_shapes import compile_varying_lengths
+
+
+def masked_attention(q, k, v, key_padding_mask):
+    """Softmax attention of q (B, H, T, D) over k, v (B, H, S, D), padded keys (B, S) left out."""
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf")).softmax(-1) @ v
+
+
+def call(fn, b, h, t, s, d, gen):
+    q = torch.randn(b, h, t, d, generator=gen)
+    k, v = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    mask[0, : s // 3] = True  # left padding in one sequence
+    torch.testing.assert_close(fn(q, k, v, mask), masked_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_and_lengths_share_one_graph_heads_and_head_size_do_not(gen):
+    torch._dynamo.reset()
+    counters.clear()
+    fn = compile_varying_lengths(masked_attention, backend="eager", fullgraph=True)
+    for b, t, s in ((2, 5, 7), (3, 6, 9), (4, 8, 8), (2, 11, 3)):
+        call(fn, b, 3, t, s, 4, gen)
+    assert counters["stats"]["unique_graphs"] == 1, "a new batch size or length recompiled"
+    call(fn, 2, 5, 5, 7, 4, gen)
+    call(fn, 3, 5, 6, 9, 4, gen)
+    assert counters["stats"]["unique_graphs"] == 2, "the head count is not a constant of the graph"
+    call(fn, 2, 5, 5, 7, 8, gen)
+    assert counters["stats"]["unique_graphs"] == 3, "the head size is not a constant of the graph"
+
+
+def test_keyword_arguments_are_marked_too(gen):
+    torch._dynamo.reset()
+    counters.clear()
+    fn = compile_varying_lengths(lambda q, k, v, key_padding_mask: masked_attention(q, k, v, key_padding_mask),
+                                 backend="eager", fullgraph=True)
+    for b, n in ((2, 5), (3, 9)):
+        q, k, v = (torch.randn(b, 2, n, 4, generator=gen) for _ in range(3))
+        mask = torch.zeros(b, n, dtype=torch.bool)
+        torch.testing.assert_close(fn(q, k, v, key_padding_mask=mask), masked_attention(q, k, v, mask))
+    assert counters["stats"]["unique_graphs"] == 1
