@@ -276,6 +276,9 @@ MUTANTS = [
     M("compile-shapes-heads-not-lengths", "linattn/compile_shapes.py", "VARYING_DIMS = {4: (0, 2), 2: (0, 1)}",
       "VARYING_DIMS = {4: (0, 1), 2: (0, 1)}", "--attention-compile marks the head count dynamic instead of the "
       "length: every new length recompiles", ("tests/ops/test_compile_shapes.py",)),
+    M("batched-chunks-pad-guarded", OPS + "batched.py", "if torch.compiler.is_compiling() or pad:", "if pad:",
+      "compiled, the chunk pad is a branch on N: a length on the chunk grid recompiles",
+      ("tests/ops/test_compile_shapes.py",)),
     M("compile-check-buffers-kept", MOD + "compile_check.py", "b.copy_(buffers[name])", "b.copy_(b)",
       "the first-step check leaves its runs' moment statistics in the buffers",
       ("tests/plugin/test_compile_check.py",)),

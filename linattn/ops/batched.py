@@ -18,9 +18,10 @@ def bmm(a: Tensor, b: Tensor, add: Optional[Tensor] = None, *, beta: float = 1.0
 
 
 def chunks(x: Tensor, c: int, value: float = 0.0) -> Tensor:
-    """(B,H,N,·) -> (B,H,nc,c,·) with nc = ceil(N / c), the last chunk padded with ``value``."""
+    """(B,H,N,·) -> (B,H,nc,c,·) with nc = ceil(N / c), the last chunk padded with ``value``. Under
+    ``torch.compile`` the pad is always traced (possibly 0 rows): lengths that are multiples of c share the graph."""
     pad = -x.shape[2] % c
-    if pad:
+    if torch.compiler.is_compiling() or pad:
         x = F.pad(x, (0, 0, 0, pad), value=value)
     return x.unflatten(2, (-1, c))
 

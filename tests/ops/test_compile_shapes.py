@@ -4,6 +4,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from linattn import ops
 from linattn.compile_shapes import compile_varying_lengths
 
 
@@ -45,3 +46,22 @@ def test_keyword_arguments_are_marked_too(gen):
         mask = torch.zeros(b, n, dtype=torch.bool)
         torch.testing.assert_close(fn(q, k, v, key_padding_mask=mask), masked_attention(q, k, v, mask))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_causal_lln_lengths_on_and_off_the_chunk_grid_share_one_graph(gen):
+    """The chunked causal form pads N to a multiple of the chunk; compiled, that pad is traced even when it is 0
+    rows, so a length on the grid (12, chunk 4) does not recompile what a length off it (9) compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def op(q, k, v, mask):
+        return ops.lln_attention(q, k, v, 1.2, 0.7, causal=True, chunk_size=4, key_padding_mask=mask,
+                                 impl="parallel")
+
+    fn = compile_varying_lengths(op, backend="eager", fullgraph=True)
+    for n in (9, 12, 7):
+        q, k, v = (torch.randn(2, 3, n, 4, generator=gen) for _ in range(3))
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[1, : n // 3] = True
+        torch.testing.assert_close(fn(q, k, v, mask), op(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, "a length on the chunk grid recompiled"
