@@ -17,7 +17,8 @@ VARYING_DIMS = {4: (0, 2), 2: (0, 1)}  # by a tensor's rank: (B, H, N, D) -> B a
 
 def mark_varying_dims(*args) -> None:
     """Mark the batch and length dimensions of the tensors in ``args`` as dynamic for ``torch.compile`` (a hint:
-    sizes 0 and 1 are still specialised, as with ``dynamic=True``); other arguments are left alone."""
+    sizes 0 and 1 are still specialised, as with ``dynamic=True``); any 2-D tensor is taken for a mask, and other
+    arguments are left alone."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
             for dim in VARYING_DIMS.get(arg.dim(), ()):
