@@ -286,11 +286,13 @@ def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["lln", "causal_lln", "causal_lln_diag", "block_softmax"])
+@pytest.mark.parametrize("op", ["lln", "causal_lln", "block_softmax"])
 def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
-    """LLN (both modes), LLN+Diag's fused average and block softmax in their parallel implementations under
-    ``compile_varying_lengths(fn, fullgraph=True)`` (as ``--attention-compile`` compiles them): values and gradients
-    equal eager (one shape each)."""
+    """LLN (both modes) and block softmax in their parallel implementations under ``compile_varying_lengths(fn,
+    fullgraph=True)`` (as ``--attention-compile`` compiles them): values and gradients equal eager (one shape each).
+    LLN+Diag, their average, compiles in tests/plugin/test_attention_compile.py: its causal module's step (the op
+    and its moment matcher: one graph, eager's values and gradients), and non-causal on torch 2.11; its own case
+    here cost 7 more minutes of Inductor on 2 cores and checked nothing those do not."""
     q, k, v = (t.float().requires_grad_() for t in _inputs(gen, n=23))
     mask = padding_mask(2, 23, "left", gen)
     alpha = torch.tensor([1.3, 0.8, 1.1])[None, :, None, None]
@@ -299,8 +301,6 @@ def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
         kw = dict(key_padding_mask=mask, impl="parallel")
         if op == "block_softmax":
             return ops.block_softmax_attention(q, k, v, causal=False, block_size=5, **kw)
-        if op == "causal_lln_diag":
-            return ops.lln_diag_attention(q, k, v, alpha, 0.6, causal=True, chunk_size=4, block_size=5, **kw)
         return ops.lln_attention(q, k, v, alpha, 0.6, causal=op == "causal_lln", chunk_size=4, **kw)
 
     got = compile_varying_lengths(fn, fullgraph=True)(q, k, v, mask, alpha)

@@ -51,5 +51,7 @@ def test_op_tests_pass_with_unwritten_memory_filled_with_nan():
 @pytest.mark.slow
 def test_fused_kernel_tests_pass_with_unwritten_memory_filled_with_nan():
     """The kernels write their outputs into new (``empty``) buffers: one left partly unwritten shows as NaN here
-    (Triton's interpreter, ~2 minutes on 2 cores; compiling cases left out)."""
-    run_filled(FUSED_TESTS, "not compile")
+    (Triton's interpreter, ~6 minutes on 2 cores). Left out: the compiling cases, and the bfloat16 twins of the
+    float16 cases: a kernel's grid, write masks and buffers are the same for both half types (the element type is
+    all that differs), so the float16 cases reach every buffer the bfloat16 ones do, at half the cost."""
+    run_filled(FUSED_TESTS, "not compile and not bfloat16")

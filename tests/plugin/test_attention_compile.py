@@ -1,6 +1,7 @@
 """--attention-compile: a module whose op call runs under torch.compile gives the eager module's outputs and
-gradients, in one graph (slow: each compile takes 5-20 s on this CPU). The modules and the step are the GPU
-self-test's (``linattn_tools.recipes.selftest.compiled``), checked here with their own assertions."""
+gradients, in one graph, and its first-step check (fairseq_linattn/modules/compile_check.py) passes for real
+(slow: each compile takes minutes on this CPU). The modules and the step are the GPU self-test's
+(``linattn_tools.recipes.selftest.compiled``), checked here with their own assertions."""
 import json
 import os
 import subprocess
@@ -17,18 +18,23 @@ from linattn_tools.recipes.selftest.compiled import build_pair, training_step
 @pytest.mark.slow
 @pytest.mark.parametrize("method,causal", [("lln", True), ("lln", False), ("lln_diag", True), ("lavo", True),
                                            ("skyformer", False), ("kernelized", False)])
-def test_compiled_module_step_equals_eager(gen, method, causal):
+def test_compiled_module_step_equals_eager(gen, caplog, method, causal):
     """A training step as fairseq's trainer runs it (moment folds deferred): no graph break (the matcher's
     switches and Skyformer's landmark draw once broke it), the eager step's values (Inductor draws Skyformer's
-    random landmarks through ATen here, so that both steps draw the same)."""
+    random landmarks through ATen here, so that both steps draw the same), and the compiled module's own
+    first-step check, on as by default, passes once and says so (it puts back the state it uses, so the values
+    are those of a step without it)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    compiled, eager = build_pair(method, "decoder" if causal else "encoder", "cpu")
+    compiled, eager = build_pair(method, "decoder" if causal else "encoder", "cpu", check="first-step")
     x = torch.randn(45, 2, compiled.embed_dim, generator=gen)
     mask = torch.zeros(2, 45, dtype=torch.bool)
     mask[1, 30:] = True
-    (out_c, gx_c, gp_c), (out_e, gx_e, gp_e) = (training_step(m, x, mask, seed=1) for m in (compiled, eager))
+    with caplog.at_level("INFO", logger="fairseq_linattn.modules.compile_check"):
+        (out_c, gx_c, gp_c), (out_e, gx_e, gp_e) = (training_step(m, x, mask, seed=1) for m in (compiled, eager))
+        training_step(compiled, x, mask, seed=2)
+    assert sum("first compiled training step matches eager" in r.message for r in caplog.records) == 1
     torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gx_c, gx_e, rtol=1e-4, atol=1e-5)
     assert len(gp_c) == len(gp_e) > 0

@@ -1,15 +1,14 @@
 """--attention-compile's net (fairseq_linattn/modules/compile_check.py): a torch older than the verified ones is
 refused when the module is built, and each module's first compiled training step is checked against eager: a
 wrong compiled gradient stops training with a message that names the method, the torch version and the way out,
-and a right one leaves the step exactly as without the check (buffers and random draws put back)."""
+and a right one leaves the step exactly as without the check (buffers and random draws put back). The check on
+a real compile (Inductor) is in test_attention_compile.py (slow)."""
 import re
 
 import pytest
 import torch
-import torch._dynamo
 
 from fairseq_linattn.modules import build_attention, compile_check
-from fairseq_linattn.modules.moment_matcher import folds_deferred
 
 CONFIG = {"attention_compile": True, "lln_chunk_size": 8, "skyformer_landmarks": 6}
 
@@ -97,19 +96,6 @@ def test_a_right_compiled_step_runs_as_without_the_check(monkeypatch, gen, metho
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     for (name, a), b in zip(checked.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method,causal", [("lln", True), ("skyformer", False)])
-def test_a_real_compiled_step_passes_its_first_step_check(gen, caplog, method, causal):
-    """torch.compile for real (Inductor, C++ here), moment folds deferred as fairseq's trainer runs them: the check
-    passes, once, and says so in the log."""
-    torch._dynamo.reset()
-    module = build_attention(method, 16, 2, causal=causal, config=CONFIG)
-    with caplog.at_level("INFO", logger="fairseq_linattn.modules.compile_check"), folds_deferred():
-        for _ in range(2):
-            _step(module, *_inputs(gen))
-    assert sum("first compiled training step matches eager" in r.message for r in caplog.records) == 1
 
 
 def test_a_gradient_zero_in_exact_arithmetic_is_judged_against_the_others():

@@ -32,15 +32,15 @@ def cases(quick: bool):
                                             if role in method.roles)
 
 
-def build_pair(method: str, role: str, device: str):
-    """(compiled, eager) modules with the same weights, float32 on ``device``; the compiled one without its own
-    first-step check (this stage is that check, and counts the graphs too)."""
+def build_pair(method: str, role: str, device: str, check: str = "off"):
+    """(compiled, eager) modules with the same weights, float32 on ``device``; the compiled one with
+    ``--attention-compile-check check`` (default off: this stage is that check, and counts the graphs too)."""
     from fairseq_linattn.modules import build_attention
 
     size = SIZES[False]
     compiled = build_attention(method, size["heads"] * size["head_dim"], size["heads"], causal=role == "decoder",
                                config={**SMALL, "attention_impl": "parallel", "attention_compile": True,
-                                       "attention_compile_check": "off"}).to(device)
+                                       "attention_compile_check": check}).to(device)
     eager = copy.deepcopy(compiled)
     eager.config = type(compiled.config)(**{**vars(compiled.config), "attention_compile": False})
     return compiled, eager
