@@ -45,6 +45,7 @@ from linattn.ops.triton import (
     moment_match,
     nystrom,
     nystrom_backward,
+    nystrom_inverse,
     token_moments,
 )
 from linattn.ops.triton.common import LAUNCH, TF32_SETTINGS, launch
@@ -56,7 +57,7 @@ SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr", "half_ptr")
-FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
+FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s", "gamma"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
 DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
 # Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): the
@@ -64,10 +65,13 @@ DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batc
 # (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
 # gradient's): its residues went from 112, 64, 32, 256 B to these (Triton 3.9; 3.6: 56 to 136 and 128, 144 to 136);
 # causal LLN's from 312 to 288 (3.6: 240 to 176). The non-causal LAVO backward reading its rows through the
-# real-first order (an encoder's padded batch): ``_local_grad`` up to 104 (3.6: 0 -> 32), ``_memory_grad`` down to 96
-# (3.6: 136 -> 40)
+# real-first order (an encoder's padded batch): ``_local_grad`` up to 104
+# (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40). Skyformer's M^-1 kernels, whose d×d passes keep a
+# block of rows of three matrices and a product's split operands (tf32x3): 88 and 160 (3.6: 160 and 120); at 8 warps
+# and 64 rows, 48 and 816 with every product's warps replicated (``replicated_dots``)
 RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 288, "nystrom_rows_grad": 96, "lavo_memory_grad": 96,
-                        "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352}
+                        "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352,
+                        "nystrom_inverse": 160, "nystrom_inverse_grad": 160}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -100,7 +104,9 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
             (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
-            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common))] + [
+            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common)),
+            (nystrom_inverse._inverse, "nystrom_inverse", dict(BL=128, STEPS=nystrom_inverse.STEPS)),
+            (nystrom_inverse._inverse_grad, "nystrom_inverse_grad", dict(BL=128, STEPS=nystrom_inverse.STEPS))] + [
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
 
 

@@ -1,9 +1,10 @@
 """Skyformer's fused implementation: the Nyström apply in Triton kernels registered as custom ops
 (``ops/triton/nystrom.py``, ``ops/triton/nystrom_backward.py``; docs/design.md §1.3.1), forward and backward.
 
-``inputs`` gathers the landmarks L (B,H,d,D) from the half rows of Q and K, ``forward`` computes M^-1 (B,H,d,d), both
-in fp32 and without autograd; the kernels form C_Q and C_K in registers from the half q, k and L, and give dL/dL and
-dL/dM^-1 besides dq, dk, dv. ``backward`` carries dL/dM^-1 to L by the iteration's own derivative and adds dL/dL into
+``inputs`` gathers the landmarks L (B,H,d,D) from the half rows of Q and K, ``forward`` computes M^-1 (B,H,d,d) by
+the iteration in one kernel (``ops/triton/nystrom_inverse.py``), both in fp32 and without autograd; the kernels form
+C_Q and C_K in registers from the half q, k and L, and give dL/dL and dL/dM^-1 besides dq, dk, dv. ``backward``
+carries dL/dM^-1 to L by the iteration's own derivative (one kernel, from the forward's tape) and adds dL/dL into
 the landmarks' rows of dq and dk (as ``looped``): no dense gradient of a gather, and dq, dk, dv stay the packed
 gradient the module's projection takes without a copy. ``supports`` says which inputs the kernels take; others run
 ``parallel``.
@@ -21,8 +22,8 @@ from .nystrom import (
                       NystromInputs,
                       add_landmark_grads,
                       gather_landmarks,
+                      landmark_inverse,
                       landmark_inverse_grad,
-                      landmark_inverse_saved,
 )
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
@@ -51,9 +52,15 @@ def inputs(q: Tensor, k: Tensor, v: Tensor, rows: Landmarks, pad: Optional[Tenso
 
 def forward(x: NystromInputs) -> Tuple[Tensor, tuple]:
     """out (B,H,N,Dv) in q's dtype, and for ``backward``: (T, U) (B,H,d,Dv) fp32, M^-1 (B,H,d,d) and what its
-    gradient takes (``landmark_inverse_saved``)."""
+    gradient takes: the iteration's tape (``nystrom_inverse``), or nothing for ``exact_inverse`` (pinv, its small
+    graph rebuilt by ``landmark_inverse_grad``)."""
     from ..triton.nystrom import nystrom_apply
-    m_inv, inverse_saved = landmark_inverse_saved(x.land, x.used, x.gamma, x.exact_inverse)
+    from ..triton.nystrom_inverse import nystrom_inverse
+    if x.exact_inverse:
+        m_inv, inverse_saved = landmark_inverse(x.land, x.used, x.gamma, True), ()
+    else:
+        m_inv, tape = nystrom_inverse(x.land, x.used_cols, x.gamma)
+        inverse_saved = (tape,)
     out, t, u = nystrom_apply(x.q, x.k, x.v, x.land, m_inv, x.used_cols, x.pad)
     return out, (t, u, m_inv, *inverse_saved)
 
@@ -63,10 +70,14 @@ def backward(x: NystromInputs, saved: tuple, grad: Tensor) -> NystromInputs:
     landmarks' rows of dq and dk in place (views of one tensor for the module's packed q, k, v: no copy after)."""
     from ..triton.common import grads_of
     from ..triton.nystrom_backward import nystrom_apply_backward
+    from ..triton.nystrom_inverse import nystrom_inverse_backward
 
     t, u, m_inv, *inverse_saved = saved
     *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, m_inv, x.used_cols, x.pad, t, u)
     dq, dk, dv = grads_of(*grads, x.q.shape[-1])
-    dland += landmark_inverse_grad(x.land, x.used, x.gamma, x.exact_inverse, tuple(inverse_saved), dm_inv)
+    if x.exact_inverse:
+        dland += landmark_inverse_grad(x.land, x.used, x.gamma, True, dm_inv)
+    else:
+        dland += nystrom_inverse_backward(x.land, x.used_cols, x.gamma, inverse_saved[0], dm_inv)
     add_landmark_grads(dq, dk, dland, x.idx, x.pad)
     return NystromInputs(q=dq, k=dk, v=dv)

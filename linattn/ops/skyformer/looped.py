@@ -105,7 +105,7 @@ def backward(x: NystromInputs, saved: Tuple[Tensor, Tensor], grad: Tensor) -> Ny
         torch.matmul(ck, dt, out=dv[:, :, r0:r1])
         dks = _kernel_input_grad(vc @ dt.transpose(-1, -2), ck, ks, land, dland)
         torch.mul(dks, scale, out=dk[:, :, r0:r1])
-    dland += landmark_inverse_grad(land, x.used, x.gamma, x.exact_inverse, (), t @ du.transpose(-1, -2))  # T dU^T
+    dland += landmark_inverse_grad(land, x.used, x.gamma, x.exact_inverse, t @ du.transpose(-1, -2))  # T dU^T
     add_landmark_grads(dq, dk, dland, idx, pad)
     if pad is not None:
         for g in (dq, dk, dv):

@@ -8,7 +8,7 @@ from torch import Tensor
 from ..inputs import check_key_padding_mask, check_positive_int, check_qkv
 from ..kernelized.kernel import check_non_causal, gaussian_kernel, kernel_scale
 from ..precision import compute_dtype
-from .inverse import inverse_backward, inverse_forward, kernel_inverse
+from .inverse import kernel_inverse
 
 MODES = ("stratified", "uniform")
 GAMMA = 0.1  # ridge added to kappa(L, L) (Skyformer §4.4)
@@ -170,20 +170,8 @@ def landmark_inverse(land: Tensor, used: Tensor, gamma: float, exact_inverse: bo
     return torch.linalg.pinv(m, hermitian=True)
 
 
-def landmark_inverse_saved(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool) -> Tuple[Tensor, tuple]:
-    """``landmark_inverse`` without autograd, and what ``landmark_inverse_grad`` takes: the iteration's tensors
-    (``inverse_forward``), none for ``exact_inverse`` (its graph is rebuilt)."""
-    if exact_inverse:
-        return landmark_inverse(land, used, gamma, exact_inverse), ()
-    return inverse_forward(land, _keep(used, land)[1], gamma)
-
-
-def landmark_inverse_grad(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool, saved: tuple,
-                          grad: Tensor) -> Tensor:
-    """dL/dL (B,H,d,D) through M^-1 from dL/dM^-1 (B,H,d,d): by the iteration's derivative from
-    ``landmark_inverse_saved``'s tensors, or, with none, through M^-1's small (d×d) graph, rebuilt."""
-    if saved:
-        return inverse_backward(saved, grad)
+def landmark_inverse_grad(land: Tensor, used: Tensor, gamma: float, exact_inverse: bool, grad: Tensor) -> Tensor:
+    """dL/dL (B,H,d,D) through M^-1 from dL/dM^-1 (B,H,d,d), through M^-1's small (d×d) graph, rebuilt."""
     with torch.enable_grad():
         lg = land.detach().requires_grad_()
         return torch.autograd.grad(landmark_inverse(lg, used, gamma, exact_inverse), lg, grad)[0]

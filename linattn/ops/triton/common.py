@@ -43,6 +43,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "nystrom_state": dict(num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=8, num_stages=1, TF32=True),
           "nystrom_rows_grad": dict(BLOCK=32, num_warps=8, num_stages=1, TF32=True),
+          "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
+          "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "lavo_local": dict(num_warps=8, num_stages=1),
           "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(num_warps=8, num_stages=1, TF32=True),
@@ -60,6 +62,11 @@ LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "bl
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}
 
+# Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size: the M^-1
+# kernels' passes over blocks of rows (BLOCK) and steps of the inner dimension (BK) there take the whole matrix at
+# once (0: d's block), which keeps an op with 128 landmarks at seconds, not minutes. Their several blocks and steps
+# are tested at LAUNCH's sizes, set explicitly (tests/ops/skyformer/test_nystrom_inverse_fused.py).
+INTERPRETED = {"nystrom_inverse": dict(BLOCK=0, BK=0), "nystrom_inverse_grad": dict(BLOCK=0, BK=0)}
 
 # A kernel's TF32 setting -> its ``wide_dot`` WIDE (one more under Triton's interpreter: the rounding emulated)
 TF32_SETTINGS = {False: 0, True: 1, "x3": 3}
@@ -72,7 +79,7 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     Triton's interpreter). Worked out once per kernel, sizes, ``LINATTN_TRITON_LAUNCH`` value and table (every
     kernel call asks)."""
     return dict(_settings(kernel, d, dv, os.environ.get("LINATTN_TRITON_LAUNCH", "{}"),
-                          os.environ.get("TRITON_INTERPRET") == "1", id(LAUNCH), id(LAUNCH_128)))
+                          os.environ.get("TRITON_INTERPRET") == "1", id(LAUNCH), id(LAUNCH_128), id(INTERPRETED)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,7 +87,8 @@ def _settings(kernel: str, d: int, dv: int, overrides: str, interpret: bool, *ta
     """``launch``'s keywords as (name, value) pairs; ``tables``: the ids of the tables read (a table replaced, as a
     test does, is another key)."""
     wide_block = LAUNCH_128.get(kernel, {}) if block(max(d, dv)) > 64 else {}
-    settings = {**LAUNCH[kernel], **wide_block, **json.loads(overrides).get(kernel, {})}
+    interpreted = INTERPRETED.get(kernel, {}) if interpret else {}
+    settings = {**LAUNCH[kernel], **wide_block, **interpreted, **json.loads(overrides).get(kernel, {})}
     if "BF" in settings:
         settings["BF"] = min(settings["BF"], block(d))
     if "BV" in settings:

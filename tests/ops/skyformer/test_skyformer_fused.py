@@ -201,14 +201,17 @@ def test_fused_runs_on_the_meta_device_forward_and_backward():
 
 
 def test_one_custom_op_each_way_and_a_fixed_op_count(gen):
+    """The apply and M^-1's iteration one op each way (the iteration was about 130 d×d ATen ops): 62 ops a step."""
     counts = []
     for n in (16, 64):
         q, k, v = inputs(gen, torch.float16, n, b=1)
         with count_dispatch() as c:
             run(q, k, v, "fused").sum().backward()
         assert c.ops["nystrom_apply"] == 1 and c.ops["nystrom_apply_backward"] == 1
+        assert c.ops["nystrom_inverse"] == 1 and c.ops["nystrom_inverse_backward"] == 1
+        assert not {"bmm", "baddbmm"} & set(c.ops)
         counts.append(c.launched)
-    assert counts[0] == counts[1]
+    assert counts[0] == counts[1] <= 62
 
 
 def test_compile_fullgraph_sees_one_custom_op(gen):
