@@ -114,6 +114,13 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
     """``kernel`` compiled for sm_``arch`` (90: H100) at head size d = Dv, its half pointers ``half`` ("fp16" or
     "bf16"), at ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's); returns (Triton's compiled
     kernel, the settings used)."""
+    types, consts, options, settings = _compile_args(kernel, key, consts, half, d, change)
+    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                          options=options), settings
+
+
+def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict]):
+    """``build``'s (signature, constexprs, options, settings): what Triton compiles."""
     change = dict(change or {})
     if "TF32" in change:  # as LAUNCH writes it: the kernel's WIDE
         change["WIDE"] = TF32_SETTINGS[change.pop("TF32")]
@@ -126,8 +133,16 @@ def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[di
              "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")
              for p in params}
     options = {k: settings[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in settings}
-    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                          options=options), settings
+    return types, consts, options, settings
+
+
+def _same_binary(job: Tuple[str, int, int, dict, int]) -> tuple:
+    """What decides a ``table`` job's binary: two jobs alike here compile to the same (a kernel that reads no half
+    tensor and no head size, as Skyformer's M^-1, is one binary at every dtype and D)."""
+    half, d, index, change, arch = job
+    kernel, key, consts = kernels(HALF[half])[index]
+    types, consts, options, _ = _compile_args(kernel, key, consts, half, d, change)
+    return key, index, arch, *(tuple(sorted((k, str(v)) for k, v in x.items())) for x in (types, consts, options))
 
 
 def resources(compiled) -> Dict[str, int]:
@@ -183,7 +198,8 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
     ``overrides`` {key: settings}), and at the configurations of ``variants_at`` each kernel's tuning alternatives
     (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
     the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch`` by ``jobs`` processes (a build is one
-    core's work: Triton's passes, then ptxas), the rows in that order."""
+    core's work: Triton's passes, then ptxas), the rows in that order; builds that compile to the same binary
+    (``_same_binary``) built once."""
     builds = []  # (half, d, the kernel's index in kernels(), change, arch): what _row builds
     for half, d in configs:
         for index, (_, key, _) in enumerate(kernels(HALF[half])):
@@ -194,10 +210,16 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
             builds += [(half, d, index, change, arch) for change in [base] + [
                 {**base, setting: value} for setting, value in VARIANTS
                 if (half, d) in variants_at and setting in own and own[setting] != value]]
+    binaries = [_same_binary(job) for job in builds]
+    first = {}
+    for job, binary in zip(builds, binaries):
+        first.setdefault(binary, job)
     if jobs == 1:
-        return [_row(job) for job in builds]
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(_row, builds))
+        built = dict(zip(first, map(_row, first.values())))
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            built = dict(zip(first, pool.map(_row, first.values())))
+    return [{**built[binary], "dtype": job[0], "d": job[1], "change": job[3]} for job, binary in zip(builds, binaries)]
 
 
 def _row(job: Tuple[str, int, int, dict, int]) -> dict:

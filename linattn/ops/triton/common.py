@@ -62,11 +62,13 @@ LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "bl
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}
 
-# Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size: the M^-1
-# kernels' passes over blocks of rows (BLOCK) and steps of the inner dimension (BK) there take the whole matrix at
-# once (0: d's block), which keeps an op with 128 landmarks at seconds, not minutes. Their several blocks and steps
-# are tested at LAUNCH's sizes, set explicitly (tests/ops/skyformer/test_nystrom_inverse_fused.py).
-INTERPRETED = {"nystrom_inverse": dict(BLOCK=0, BK=0), "nystrom_inverse_grad": dict(BLOCK=0, BK=0)}
+# Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size (and a call
+# of a jit function about as much again): there the M^-1 kernels' passes over blocks of rows (BLOCK) and steps of
+# the inner dimension (BK) take the whole matrix at once (0: d's block), and their products are exact fp32 (one
+# operation, where tf32x3's emulation takes a dozen), which keeps an op at seconds, not minutes. LAUNCH's own
+# sizes and tf32x3 are tested set explicitly (tests/ops/skyformer/test_nystrom_inverse_fused.py).
+INTERPRETED = {"nystrom_inverse": dict(BLOCK=0, BK=0, TF32=False),
+               "nystrom_inverse_grad": dict(BLOCK=0, BK=0, TF32=False)}
 
 # A kernel's TF32 setting -> its ``wide_dot`` WIDE (one more under Triton's interpreter: the rounding emulated)
 TF32_SETTINGS = {False: 0, True: 1, "x3": 3}

@@ -54,11 +54,14 @@ def test_one_landmark(gen):
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.1])
-def test_several_row_blocks_and_inner_steps(gen, monkeypatch, gamma):
-    """40 slots in blocks of 16 rows and inner steps of 16: three of each, the last partial; gamma = 0 (no ridge: the
-    diagonal of kappa(L, L) alone keeps M's row sums positive)."""
-    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"nystrom_inverse": {"BLOCK": 16},
-                                                            "nystrom_inverse_grad": {"BLOCK": 16}}))
+def test_launch_settings_several_row_blocks_inner_steps_and_tf32x3(gen, monkeypatch, gamma):
+    """``LAUNCH``'s own settings (the GPU's; the interpreter's default takes whole matrices in exact fp32:
+    ``common.INTERPRETED``): tf32x3 products (emulated), and 40 slots in blocks of 32 and 16 rows, inner steps of
+    16, the last partial; gamma = 0 (no ridge: kappa(L, L)'s diagonal alone keeps M's row sums positive)."""
+    from linattn.ops.triton.common import LAUNCH
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({k: LAUNCH[k] for k in ("nystrom_inverse",
+                                                                                   "nystrom_inverse_grad")}))
+    assert 40 > LAUNCH["nystrom_inverse"]["BLOCK"] > LAUNCH["nystrom_inverse_grad"]["BLOCK"] == 16
     check(gen, *landmarks(gen, 1, 1, 40, 20), gamma)
 
 
