@@ -43,10 +43,18 @@ class _Traffic(TorchDispatchMode):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-1].shape[1]
         elif name in ("bmm", "baddbmm"):
             flops = 2 * ins[-2].shape[0] * ins[-2].shape[1] * ins[-2].shape[2] * ins[-1].shape[2]
+        elif name in INVERSE_PRODUCTS:  # Skyformer's M^-1 kernels: their d×d×d products and kernel rows' d×d×D
+            b, h, d, dim = ins[0].shape
+            cubes, rows = INVERSE_PRODUCTS[name]
+            flops = 2 * b * h * (cubes * d ** 3 + rows * d * d * dim)
         self.rows.append((name, _moved(name, args, ins, outs), flops, outs[0].dtype if outs else None))
         return out
 
 
+# (d×d×d products, d×d×D products) a head of ``triton/nystrom_inverse.py``'s ops, 6 steps: 4 a step forward and the
+# normalisation's two passes of kernel rows; 11 a step backward, kernel rows three times and dL/dL once. Their bytes
+# here are their tensors' (the work area they pass through is L1's and L2's, as far as it fits: a floor)
+INVERSE_PRODUCTS = {"nystrom_inverse": (24, 2), "nystrom_inverse_backward": (66, 4)}
 GATHERS = ("gather", "index_select")  # (input, dim, index): reads as many of input's elements as they write
 SCATTERS = ("scatter_add_", "scatter_", "index_add_", "index_copy_")  # (self, dim, index, src or a scalar)
 

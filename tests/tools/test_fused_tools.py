@@ -35,6 +35,24 @@ def test_traffic_counts_a_gather_and_an_in_place_scatter_by_the_rows_they_touch(
                                              ("index_add_", 8 * 8 + 3 * rows), ("scatter_", 4 * 8 * 8 + 2 * rows)]
 
 
+def test_traffic_counts_the_products_of_skyformers_inverse_kernels():
+    """Skyformer's M^-1 kernels replace ~130 ``bmm``/``baddbmm`` ops whose FLOPs the count took: their own d×d×d and
+    d×d×D products are counted for them (24 and 66 d³ a head, six steps), so the step's floor keeps the
+    iteration's matmul time."""
+    from linattn.ops.triton.nystrom_inverse import nystrom_inverse, nystrom_inverse_backward
+    land = torch.empty(2, 3, 128, 64, device="meta")
+    used = torch.empty(2, 128, device="meta")
+    with traffic._Traffic() as counter:
+        m_inv, tape = nystrom_inverse(land, used, 0.1)
+        nystrom_inverse_backward(land, used, 0.1, tape, m_inv)
+    rows = {row[0]: row for row in counter.rows}
+    heads = 2 * 3
+    assert {name: row[2] for name, row in rows.items()} == {
+        "nystrom_inverse": 2 * heads * (24 * 128 ** 3 + 2 * 128 * 128 * 64),
+        "nystrom_inverse_backward": 2 * heads * (66 * 128 ** 3 + 4 * 128 * 128 * 64)}
+    assert rows["nystrom_inverse"][3] == torch.float32  # at the fp32 rate, as the ``bmm`` s were
+
+
 def test_profile_step_prints_the_step_table_on_the_cpu():
     text = profile_step.table("lln", True, 32, 64, "float32", "parallel", "cpu", steps=1, rows=5)
     head, bound = text.splitlines()[:2]
