@@ -19,6 +19,7 @@ DIAG_T = ("tests/ops/test_lln_diag.py",)
 LAVO_T = ("tests/ops/lavo/test_lavo.py", "tests/ops/lavo/test_lavo_impls.py")
 SKY_T = ("tests/ops/skyformer/test_skyformer.py", "tests/ops/skyformer/test_skyformer_impls.py")
 SKY_FUSED_T = ("tests/ops/skyformer/test_skyformer_fused.py",)
+SKY_INVERSE_T = ("tests/ops/skyformer/test_nystrom_inverse_fused.py",)
 LAVO_FUSED_T = ("tests/ops/lavo/test_lavo_fused.py",)
 MODULE_T = ("tests/plugin/test_modules.py", "tests/plugin/test_module_padding.py",
             "tests/plugin/test_module_reference.py")

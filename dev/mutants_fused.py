@@ -1,6 +1,6 @@
 """The mutants of the fused implementation (Triton kernels, run by the interpreter in the tests); ``dev.mutants``
 lists them with the others."""
-from .mutant import LAVO_FUSED_T, MOD, MODULE_T, OPS, SKY_FUSED_T, Mutant
+from .mutant import LAVO_FUSED_T, MOD, MODULE_T, OPS, SKY_FUSED_T, SKY_INVERSE_T, Mutant
 
 M = Mutant
 MATCH_T = ("tests/ops/test_moment_match_fused.py",)
@@ -41,7 +41,7 @@ FUSED_MUTANTS = [
     M("kernel-op-cuda-only", OPS + "triton/kernel_op.py", 'DEVICES = ("CUDA", "CPU")', 'DEVICES = ("CUDA",)',
       "the ops have no CPU kernel: Triton's interpreter (the tests) cannot run them", ("tests/ops/test_lln_fused.py",)),
     M("triton-launch-cache-keeps-a-replaced-table", OPS + "triton/common.py",
-      "id(LAUNCH), id(LAUNCH_128)))", "id(LAUNCH)))",
+      "id(LAUNCH), id(LAUNCH_128), id(INTERPRETED)))", "id(LAUNCH), id(INTERPRETED)))",
       "launch answers from its cache after LAUNCH_128 is replaced", ("tests/ops/test_triton_common.py",)),
     M("triton-cdiv-floors", OPS + "triton/common.py", "return -(-a // b)", "return a // b",
       "the grids' host division rounds down: the last partial block of rows gets no program",
@@ -136,12 +136,23 @@ FUSED_MUTANTS = [
       "dX_s leaves out -rowsum(dE) X_s", SKY_FUSED_T),
     M("triton-nystrom-bwd-split-slot", OPS + "triton/nystrom_backward.py", "(pid * TOTAL + FIRST + tl.program_id(1))",
       "(pid * TOTAL + tl.program_id(1))", "the keys' share of dL/dL overwrites the queries'", SKY_FUSED_T),
-    M("skyformer-fused-landmark-grad", OPS + "skyformer/fused.py", "dland += landmark_inverse_grad(",
-      "dland = landmark_inverse_grad(",
+    M("skyformer-fused-landmark-grad", OPS + "skyformer/fused.py", "dland += nystrom_inverse_backward(",
+      "dland = nystrom_inverse_backward(",
       "the landmarks' gradient through C_Q and C_K is dropped (only M^-1's reaches q, k)",
       SKY_FUSED_T),
-    M("skyformer-fused-inverse-grad", OPS + "skyformer/fused.py", "dland += landmark_inverse_grad(",
-      "dland += 0 * landmark_inverse_grad(", "the landmarks' gradient through M^-1 is dropped", SKY_FUSED_T),
+    M("skyformer-fused-inverse-grad", OPS + "skyformer/fused.py", "dland += nystrom_inverse_backward(",
+      "dland += 0 * nystrom_inverse_backward(", "the landmarks' gradient through M^-1 is dropped", SKY_FUSED_T),
+    M("triton-inverse-horner", OPS + "triton/nystrom_inverse.py", "- 7.0 * p + 15.0 * eye_rows",
+      "- 6.0 * p + 15.0 * eye_rows", "R2 = 15I - P (7I - P) with a wrong constant", SKY_INVERSE_T),
+    M("triton-inverse-keep-diagonal", OPS + "triton/nystrom_inverse.py",
+      "keep = inside & ((used_rows[:, None] * used_cols[None, :] > 0) | eye)",
+      "keep = inside & (used_rows[:, None] * used_cols[None, :] > 0)",
+      "an unused slot's diagonal of kappa(L, L) is dropped from M", SKY_INVERSE_T),
+    M("triton-inverse-s-power", OPS + "triton/nystrom_inverse.py", "0.5 * (ds * s_rows * s_rows * s_rows)",
+      "0.5 * (ds * s_rows * s_rows)", "dM through s = rowsum(M)^(-1/2) with s² for s³", SKY_INVERSE_T),
+    M("triton-inverse-z0-scale", OPS + "triton/nystrom_inverse.py",
+      "mask=inside, other=0.0) / c,", "mask=inside, other=0.0) / (2.0 * c),",
+      "Z_0 = Aᵀ / c with a wrong scale", SKY_INVERSE_T),
     M("skyformer-fused-landmarks-unmasked", OPS + "skyformer/fused.py", "land = gather_landmarks(q, k, rows.idx, pad)",
       "land = gather_landmarks(q, k, rows.idx, None)",
       "an unused slot pointing at a padded row takes that row's q or k as its landmark", SKY_FUSED_T),

@@ -110,6 +110,24 @@ def _rows(rb, L, BR: tl.constexpr, BL: tl.constexpr):
 
 
 @triton.jit
+def _p_pass(a_ptr, z_ptr, p_ptr, L, BR: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
+    """P = A Z (L, L) into p_ptr, a pass over blocks of BR rows, then a barrier."""
+    for rb in range(0, L, BR):
+        rows, at, inside, _ = _rows(rb, L, BR, BL)
+        tl.store(p_ptr + at, _product(a_ptr, z_ptr, rows, L, False, False, BR, BL, BK, WIDE), mask=inside)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _store_r2(p_ptr, r2_ptr, rows, at, inside, eye_rows, L, BR: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr,
+              WIDE: tl.constexpr):
+    """Rows ``rows`` (offsets ``at``) of R2 = 15I - P (7I - P) = 15I - 7P + P P into r2_ptr (Skyformer §4.4)."""
+    p = tl.load(p_ptr + at, mask=inside, other=0.0)
+    r2 = _product(p_ptr, p_ptr, rows, L, False, False, BR, BL, BK, WIDE) - 7.0 * p + 15.0 * eye_rows
+    tl.store(r2_ptr + at, r2, mask=inside)
+
+
+@triton.jit
 def _inverse(land_ptr, used_ptr, tape_ptr, work_ptr, out_ptr, gamma, H, L, D, STEPS: tl.constexpr,
              BL: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
     """One head: M^-1 ≈ S Z_steps S into out (L, L), Z_0 .. Z_steps into the tape (STEPS + 1, L, L); work: A, P, R2,
@@ -131,15 +149,10 @@ def _inverse(land_ptr, used_ptr, tape_ptr, work_ptr, out_ptr, gamma, H, L, D, ST
     # Z' = Z R3, R3 = 13I/4 - P R2 / 4, R2 = 15I - P (7I - P) = 15I - 7P + P P, P = A Z (Skyformer §4.4)
     for t in range(STEPS):
         z_at = tape + t * square
-        for rb in range(0, L, BLOCK):
-            rows, at, inside, _ = _rows(rb, L, BLOCK, BL)
-            tl.store(p_at + at, _product(a_at, z_at, rows, L, False, False, BLOCK, BL, BK, WIDE), mask=inside)
-        tl.debug_barrier()
+        _p_pass(a_at, z_at, p_at, L, BLOCK, BL, BK, WIDE)
         for rb in range(0, L, BLOCK):
             rows, at, inside, eye_rows = _rows(rb, L, BLOCK, BL)
-            p = tl.load(p_at + at, mask=inside, other=0.0)
-            r2 = _product(p_at, p_at, rows, L, False, False, BLOCK, BL, BK, WIDE) - 7.0 * p + 15.0 * eye_rows
-            tl.store(r2_at + at, r2, mask=inside)
+            _store_r2(p_at, r2_at, rows, at, inside, eye_rows, L, BLOCK, BL, BK, WIDE)
         tl.debug_barrier()
         for rb in range(0, L, BLOCK):
             rows, at, inside, eye_rows = _rows(rb, L, BLOCK, BL)
@@ -188,15 +201,10 @@ def _inverse_grad(land_ptr, used_ptr, tape_ptr, work_ptr, grad_ptr, dland_ptr, g
     tl.debug_barrier()
     for back in range(STEPS):
         z_at = tape + (STEPS - 1 - back) * square
-        for rb in range(0, L, BLOCK):
-            rows, at, inside, _ = _rows(rb, L, BLOCK, BL)
-            tl.store(p_at + at, _product(a_at, z_at, rows, L, False, False, BLOCK, BL, BK, WIDE), mask=inside)
-        tl.debug_barrier()
+        _p_pass(a_at, z_at, p_at, L, BLOCK, BL, BK, WIDE)
         for rb in range(0, L, BLOCK):
             rows, at, inside, eye_rows = _rows(rb, L, BLOCK, BL)
-            p = tl.load(p_at + at, mask=inside, other=0.0)
-            r2 = _product(p_at, p_at, rows, L, False, False, BLOCK, BL, BK, WIDE) - 7.0 * p + 15.0 * eye_rows
-            tl.store(r2_at + at, r2, mask=inside)
+            _store_r2(p_at, r2_at, rows, at, inside, eye_rows, L, BLOCK, BL, BK, WIDE)
             # dR3 = Zᵀ dZ'
             tl.store(ez_at + at, _product(z_at, gz_at, rows, L, True, False, BLOCK, BL, BK, WIDE), mask=inside)
         tl.debug_barrier()
