@@ -1,5 +1,6 @@
 """``linattn.compile_shapes``: what ``--attention-compile`` makes symbolic. One graph serves new batch sizes, query
 lengths and key lengths; a new head count or head size is a new graph (they are constants of a module)."""
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -48,20 +49,39 @@ def test_keyword_arguments_are_marked_too(gen):
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_causal_lln_lengths_on_and_off_the_chunk_grid_share_one_graph(gen):
-    """The chunked causal form pads N to a multiple of the chunk; compiled, that pad is traced even when it is 0
-    rows, so a length on the grid (12, chunk 4) does not recompile what a length off it (9) compiled."""
+def _lavo(causal):
+    bases = torch.linalg.qr(torch.randn(3, 4, 3, dtype=torch.float64))[0].transpose(1, 2).float().contiguous()
+    pos_bias = torch.linspace(-1.0, 1.0, 3 * 7).reshape(3, 7)
+    return lambda q, k, v, mask: ops.lavo_attention(q, k, v, bases, pos_bias, window=4, causal=causal,
+                                                    key_padding_mask=mask, impl="parallel")
+
+
+GRID_OPS = {  # ops whose parallel form pads the length to a grid of 4 (chunks, blocks or windows)
+    "lln causal": lambda q, k, v, mask: ops.lln_attention(q, k, v, 1.2, 0.7, causal=True, chunk_size=4,
+                                                          key_padding_mask=mask, impl="parallel"),
+    **{f"lln_diag{' causal' * c}": (lambda c: lambda q, k, v, mask: ops.lln_diag_attention(
+        q, k, v, 1.2, 0.7, block_size=4, chunk_size=4, causal=c, key_padding_mask=mask, impl="parallel"))(c)
+       for c in (False, True)},
+    "block_softmax causal": lambda q, k, v, mask: ops.block_softmax_attention(
+        q, k, v, block_size=4, causal=True, key_padding_mask=mask, impl="parallel"),
+    "lavo": _lavo(False),
+    "lavo causal": _lavo(True),
+}
+
+
+@pytest.mark.parametrize("name", list(GRID_OPS))
+def test_lengths_on_and_off_the_grid_share_one_graph(name, gen):
+    """The chunked, blocked and windowed forms pad N to a multiple of their size (4 here); compiled, that pad is
+    traced even when it is 0 rows (``batched.chunks``), and the output sliced back from the padded rows is copied
+    contiguous (``precision.function_output``), so a length on the grid (12) does not recompile what a length off
+    it (9) compiled: Dynamo would otherwise guard on the pad being 0 or on the slice being contiguous."""
     torch._dynamo.reset()
     counters.clear()
-
-    def op(q, k, v, mask):
-        return ops.lln_attention(q, k, v, 1.2, 0.7, causal=True, chunk_size=4, key_padding_mask=mask,
-                                 impl="parallel")
-
+    op = GRID_OPS[name]
     fn = compile_varying_lengths(op, backend="eager", fullgraph=True)
     for n in (9, 12, 7):
         q, k, v = (torch.randn(2, 3, n, 4, generator=gen) for _ in range(3))
         mask = torch.zeros(2, n, dtype=torch.bool)
         mask[1, : n // 3] = True
         torch.testing.assert_close(fn(q, k, v, mask), op(q, k, v, mask), rtol=1e-5, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 1, "a length on the chunk grid recompiled"
+    assert counters["stats"]["unique_graphs"] == 1, "a length on the grid recompiled"
