@@ -21,9 +21,16 @@ MUTANTS = [
       ("tests/ops/test_softmax.py", "tests/ops/test_attention_rows.py") + LLN_T),
     M("precision-autocast-on", OPS + "precision.py", "enabled=False", "enabled=True",
       "autocast left on inside the ops (half matmuls on upcast inputs)", ("tests/ops/test_autocast.py",)),
-    M("precision-output-aliased", OPS + "precision.py", "return out.to(dtype, copy=True)", "return out.to(dtype)",
-      "a Function's output aliases a saved value while compiling (torch 2.11's wrong gradients)",
-      ("tests/ops/test_compile_safety.py",)),
+    M("precision-output-aliased", OPS + "precision.py", "return torch.slice_copy(out.to(dtype))",
+      "return out.to(dtype)", "a Function's output aliases a saved value while compiling (torch 2.11's wrong "
+      "gradients)", ("tests/ops/test_compile_safety.py",)),
+    M("precision-output-strided-copy", OPS + "precision.py", "return torch.slice_copy(out.to(dtype))",
+      "return out.to(dtype, copy=True)", "the compiled output copy keeps the sliced output's strides: a length on "
+      "the block or window grid compiles a second graph", ("tests/ops/test_compile_shapes.py",)),
+    M("precision-output-clone", OPS + "precision.py", "return torch.slice_copy(out.to(dtype))",
+      "return out.clone(memory_format=torch.contiguous_format).to(dtype)", "the compiled output a clone: torch "
+      "2.11's wrong gradients come back (only torch 2.11 shows it)", ("tests/ops/test_compile_safety.py",),
+      ("tests/plugin/test_attention_compile.py",)),
     M("precision-autocast-check-traced", OPS + "precision.py",
       "return torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)",
       "return torch.amp.is_autocast_available(device_type)", "the autocast check breaks every compiled op's graph "

@@ -40,8 +40,9 @@ def function_output(out: Tensor, dtype: torch.dtype) -> Tensor:
     that aliases no other value of the forward and that no op has written in place. torch 2.11 (pytorch#180642)
     gives the compiled Function a second output for such an alias (a ``.to`` to the same dtype, or a buffer
     written with ``out=``) and routes the output's gradient to it: every input gradient comes out wrong. The copy is
-    a contiguous clone: ``to(copy=True)`` keeps the strides of a dense input, so Dynamo guards on whether an output
-    sliced from padded rows is contiguous, and a length on the block or window grid compiled a second graph."""
+    ``slice_copy``'s (the whole tensor, contiguous): ``to(copy=True)`` keeps a dense input's strides, so Dynamo
+    guarded on whether an output sliced from padded rows was contiguous (a length on the block or window grid
+    compiled a second graph), and a ``clone`` or a copy into a new buffer brings the wrong gradients back on 2.11."""
     if torch.compiler.is_compiling():
-        return out.clone(memory_format=torch.contiguous_format).to(dtype)
+        return torch.slice_copy(out.to(dtype))
     return out.to(dtype)
