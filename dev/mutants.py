@@ -2,8 +2,8 @@
 
 Each ``Mutant``: an id, the file, an exact snippet of it (occurring exactly once: tests/devtools/test_mutation_check.py
 checks every snippet against the current code), its replacement, the mistake it stands for, and the test
-files that should catch it (run with ``-x``, so a killed mutant costs seconds). ``slow``: the slow-tier test
-files for ``--tier both`` (empty: the whole slow tier).
+files that should catch it (run with ``-x``, so a killed mutant costs seconds). ``slow``: the test files whose
+``slow`` and ``extended`` tests ``--tier both`` runs (empty: those of all of ``tests/``).
 """
 from .mutant import DECODE_T, DIAG_T, FAIRSEQ_SLOW, LAVO_T, LLN_T, MM_T, MOD, MODULE_T, OPS, SKY_T, Mutant
 from .mutants_fused import FUSED_MUTANTS

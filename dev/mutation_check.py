@@ -11,9 +11,9 @@ timeout all count as killed; a mutant whose tests collect nothing is an error in
     python -m dev.mutation_check --only lln-output-grad-sign --tier both
     python -m dev.mutation_check --list
 
-``--tier both`` runs the default tier's relevant tests and, for the survivors, the slow tier too (the
-mutant's ``slow`` files, else all of ``tests/``). The tool exits 0 whatever survives (it measures, it is not
-a test); it exits 2 for an invalid mutant list or arguments.
+``--tier both`` runs the default tier's relevant tests and, for the survivors, the tests marked ``slow`` or
+``extended`` too (in the mutant's ``slow`` files, else in all of ``tests/``). The tool exits 0 whatever survives
+(it measures, it is not a test); it exits 2 for an invalid mutant list or arguments.
 """
 import argparse
 import json
@@ -93,8 +93,8 @@ def _first_failure(output: str) -> str:
 def run_tests(copy: Path, tests: Sequence[str], tier: str, timeout: float) -> Dict:
     """Run pytest on ``tests`` in ``copy``: {status: killed|survived|timeout|no-tests, seconds, detail}."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
-    if tier == "slow":
-        cmd += ["-m", "slow"]
+    if tier == "slow":  # the tiers beyond the default one: CI's end-to-end runs and the extended ones
+        cmd += ["-m", "slow or extended"]
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -212,8 +212,8 @@ def main(argv=None) -> int:
                                 description="Plant each mutant of dev/mutants.py in a copy of the "
                                             "repository, run its tests, report which survive.")
     p.add_argument("--tier", choices=("default", "slow", "both"), default="default",
-                   help="default: the mutants' test files (default); slow: the slow tier; both: default, "
-                        "then the slow tier for the survivors")
+                   help="default: the mutants' test files (default); slow: the tests marked slow or extended; "
+                        "both: default, then those for the survivors")
     p.add_argument("--only", nargs="+", metavar="ID", help="run only these mutants")
     p.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, one repository copy each")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant and tier (over: killed)")

@@ -2,6 +2,7 @@
 padding masks, fairseq's layout, a value-and-gradient comparison, a probe of the largest tensor an op makes, and a
 venv with torch 2.11 (a GPU machine's torch and Triton)."""
 import fcntl
+import os
 import subprocess
 import sys
 import sysconfig
@@ -149,14 +150,20 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-TORCH_211_VENV = ROOT / ".venv-torch2.11"  # torch 2.11.0 from PyPI (a CUDA build; it runs on the CPU), this venv's rest
+# torch 2.11.0 from PyPI (a 4.6 GB CUDA build; it runs on the CPU) beside this venv's other packages, for the extended
+# tier: kept in a cache outside the clone (LINATTN_CACHE, else ~/.cache/fairseq_linattn), so that later clones and runs
+# on the same machine reuse it; a bare machine makes it on first use
+CACHE = Path(os.environ.get("LINATTN_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                     "fairseq_linattn"))
+TORCH_211_VENV = CACHE / ("venv-torch2.11-py%d.%d" % sys.version_info[:2])
 
 
 def torch_211_python() -> Path:
     """A venv with torch 2.11.0 (and the Triton 3.6 it ships with) that sees this venv's other packages (a .pth after
     its own site-packages); made on first use (slow tier)."""
     python = TORCH_211_VENV / "bin" / "python"
-    with open(ROOT / ".venv-torch2.11.lock", "w") as lock:  # pytest-xdist: one worker makes it, the others wait
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "venv-torch2.11.lock", "w") as lock:  # pytest-xdist: one worker makes it, the others wait
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (TORCH_211_VENV / ".installed").exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(TORCH_211_VENV)], check=True)

@@ -14,10 +14,12 @@ from torch._dynamo.utils import counters
 
 from linattn_tools.recipes.selftest.compiled import build_pair, training_step
 
+EXTENDED = pytest.mark.extended  # minutes a compile on 2 cores: CI compiles causal LLN, the extended tier the rest
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method,causal", [("lln", True), ("lln", False), ("lln_diag", True), ("lavo", True),
-                                           ("skyformer", False), ("kernelized", False)])
+
+@pytest.mark.parametrize("method,causal", [
+    pytest.param("lln", True, marks=pytest.mark.slow), *(pytest.param(*case, marks=EXTENDED) for case in (
+        ("lln", False), ("lln_diag", True), ("lavo", True), ("skyformer", False), ("kernelized", False)))])
 def test_compiled_module_step_equals_eager(gen, caplog, method, causal):
     """A training step as fairseq's trainer runs it (moment folds deferred): no graph break (the matcher's
     switches and Skyformer's landmark draw once broke it), the eager step's values (Inductor draws Skyformer's
@@ -57,7 +59,7 @@ print(json.dumps({"torch": torch.__version__, "rows": [[r.check, r.status, r.mea
 """
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # installs torch 2.11 (a 4.6 GB CUDA build) into a cache outside the clone on first use
 def test_compiled_steps_equal_eager_on_torch_2_11():
     """Before the ops returned fresh outputs while compiling, LLN's compiled gradients here were wrong (relative
     error 1, as on the H100 with torch 2.11 + CUDA 13) and the autocast check broke its graph in two."""

@@ -61,7 +61,7 @@ def test_profile_step_prints_the_step_table_on_the_cpu():
     assert bound.startswith("step ") and 0 < busy and 0 < host <= wall  # the CPU computes as it issues
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~5 min under the interpreter
 def test_tune_fused_checks_and_searches_under_the_interpreter(monkeypatch):
     """The tuner's float64 checks pass for every family and its greedy search keeps, per kernel, the best of the
     settings it timed, each checked first (here on CPU tensors, tiny shapes, one candidate a kernel of each family,
