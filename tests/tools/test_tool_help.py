@@ -85,3 +85,20 @@ def test_tool_starts_with_python_m_and_help(helps, module):
     code, stdout, stderr = helps[module]
     assert code == 0, f"python -m {module} --help exited {code}:\n{stderr[-2000:]}"
     assert "usage:" in stdout.lower(), stdout[:500]
+
+
+# ``python -m`` one of our modules; not a pattern (``linattn_tools.<tool>``) or a prefix (``P="... -m pkg"``, ``$P.x``)
+STARTED = re.compile(r'python -m\s+((?:linattn_tools|fairseq_linattn|linattn|dev)(?:\.\w+)*)(?![.<\w"])')
+
+
+def _startable(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+
+
+def test_every_module_the_docs_start_exists():
+    """Each ``python -m <our module>`` in a Markdown file (data/README.md, docs/, ...) names a module that exists."""
+    missing = [f"{path.relative_to(ROOT)}: python -m {module}"
+               for path in sorted(ROOT.rglob("*.md")) if not {".venv", ".git", "node_modules"} & set(path.parts)
+               for module in STARTED.findall(path.read_text()) if not _startable(module)]
+    assert not missing, missing
