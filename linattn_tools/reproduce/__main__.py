@@ -19,13 +19,13 @@ FALLBACK_CORES = 2
 
 def expected_seconds(groups: Sequence[str], directory: Path = common.RESULTS_DIR) -> Dict[str, float]:
     """Each group's wall time in the committed results (the last full run), else the fallback estimate."""
-    done = common.load_results(directory)
+    done = ledger.load_results(directory)
     return {g: float(done[g]["wall_s"]) if g in done else float(FALLBACK_SECONDS[g]) for g in groups}
 
 
 def expected_text(groups: Sequence[str], directory: Path = common.RESULTS_DIR) -> str:
     """The expected wall time, on the cores of the machine that wrote the committed runs."""
-    done = common.load_results(directory)
+    done = ledger.load_results(directory)
     secs = expected_seconds(groups, directory)
     parts = ", ".join(f"{g} {s / 60:.0f} min" for g, s in secs.items())
     cores = sorted({done[g]["machine"]["cpu_count"] for g in groups if g in done and done[g].get("machine")})
@@ -69,7 +69,7 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
                 if not (quick or reuse_benchmark):
                     lln_cost.run_softmax_dropout(settings["sizes"])
                 return lln_cost.collect(settings["methods"])
-            earlier = common.load_results(out).get(group) if reuse_benchmark else None
+            earlier = ledger.load_results(out).get(group) if reuse_benchmark else None
             command = _command(group, quick) + (", re-read with --reuse-benchmark" if reuse_benchmark else "")
             common.run_group(group, command, settings, measure_cost, out,
                              wall_s=earlier["wall_s"] if earlier else None)
@@ -92,7 +92,7 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
 
 
 def render(results: Path, ledger_path: Path, check: bool) -> int:
-    text = ledger.render(common.load_results(results))
+    text = ledger.render(ledger.load_results(results))
     if check:
         current = ledger_path.read_text() if ledger_path.is_file() else ""
         if current != text:

@@ -70,15 +70,3 @@ def run_group(group: str, command: str, settings: Dict, measure: Callable[[], Di
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"[reproduce] wrote {path} ({record['wall_s']:.0f} s)", flush=True)
     return record
-
-
-def load_results(directory: Path = RESULTS_DIR) -> Dict[str, Dict]:
-    """{group: record} for every result file present in ``directory``."""
-    out = {}
-    for group in GROUPS:
-        path = result_path(group, directory)
-        if path.is_file():
-            out[group] = json.loads(path.read_text())
-    from .gpu_speed import record  # not a measured group: a committed GPU benchmark, if there is one
-    out["gpu_benchmark"] = record()
-    return out

@@ -1,8 +1,11 @@
 """Render docs/reproduction.md from the result records and the claims (nothing in it is typed by hand)."""
+import json
+from pathlib import Path
 from typing import Dict, Optional
 
 from .claims import Verdict, evaluate_all
-from .gpu_speed import describe
+from .common import GROUPS, RESULTS_DIR, result_path
+from .gpu_speed import describe, record
 
 PAPERS = {
     "LLN": "LLN — Nahshan, Kampeas, Haleva, *Linear Log-Normal Attention with Unbiased Concentration*, ICLR 2024 "
@@ -17,6 +20,18 @@ FIGURES = {
                    "Skyformer Fig. 1 the paper's way: relative spectral error of each approximation of softmax "
                    "attention's output against the number of features d, per encoder (rows) and N (columns)")],
 }
+
+
+def load_results(directory: Path = RESULTS_DIR) -> Dict[str, Dict]:
+    """The records the ledger renders: {group: record} for every measured group's result file present in
+    ``directory``, and ``gpu_benchmark``, the committed GPU benchmark's (``gpu_speed.record``; measured elsewhere)."""
+    out = {}
+    for group in GROUPS:
+        path = result_path(group, directory)
+        if path.is_file():
+            out[group] = json.loads(path.read_text())
+    out["gpu_benchmark"] = record()
+    return out
 
 
 def _command(records: Dict[str, Dict], group: str) -> str:

@@ -26,7 +26,7 @@ from linattn_tools.reproduce import (
 
 @pytest.fixture(scope="module")
 def records():
-    found = common.load_results()
+    found = ledger.load_results()
     missing = [g for g in common.GROUPS if g not in found]
     assert not missing, f"no committed result file for {missing} in {common.RESULTS_DIR}"
     return found
@@ -364,7 +364,7 @@ def test_gpu_rows_are_judged_on_a_gpu_benchmark_naming_card_dtype_and_date(tmp_p
                       {n: 0.01 for n in (2048, 4096, 8192)}, {n: 0.01 for n in (2048, 4096, 8192)})
     for claim_id, v in _gpu_verdicts(bad).items():
         assert v.holds is False and v.cause, claim_id
-    text = ledger.render({**copy.deepcopy(common.load_results()), "gpu_benchmark": bad})
+    text = ledger.render({**copy.deepcopy(ledger.load_results()), "gpu_benchmark": bad})
     assert "read from `" in text and "NVIDIA Test GPU" in text
 
 

@@ -2,7 +2,7 @@
 
 A claim names its paper and where the paper states it, the paper's figure (table cells come from
 ``recipes.paper_results``; figures and statements that are not table cells are written beside the
-claim), and an ``evaluate`` function that reads the result records (``common.load_results``) and
+claim), and an ``evaluate`` function that reads the result records (``ledger.load_results``) and
 returns a ``Verdict``: our figure, whether the claim holds here (None: the row is for information,
 the paper states nothing to test), the test applied, and the likely cause when it does not hold.
 Nothing here holds a measured number or a fact of the measuring machine: every "ours", every "holds"
