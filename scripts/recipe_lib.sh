@@ -124,14 +124,14 @@ config_get() {
 # config_args CONFIG [--task T]: fills the array ARGS with the config's fairseq-train options
 config_args() {
   recipe_devices
-  local extra=(--devices "$WORLD")
+  local extra=(--devices "$WORLD" --device gpu)
+  [ "$DEVICE" = cpu ] && extra=(--devices "$WORLD" --device cpu)  # --cpu, no fp16 options
   [ "$SAMPLE" = 1 ] && extra+=(--sample)
-  if [ "$DEVICE" = cpu ] || [ "$FP16" = 0 ]; then extra+=(--no-fp16); fi
+  [ "$FP16" = 0 ] && extra+=(--no-fp16)
   [ -n "${PER_DEVICE:-}" ] && extra+=(--per-device "$PER_DEVICE")
   [ -n "${UPDATE_FREQ:-}" ] && extra+=(--update-freq "$UPDATE_FREQ")
   mapfile -t ARGS < <("$PY" -m linattn_tools.recipes.config args "$CONFIGS/$1" "${extra[@]}" "${@:2}")
   [ "${#ARGS[@]}" -gt 0 ] || die "could not read $CONFIGS/$1"
-  [ "$DEVICE" = cpu ] && ARGS+=(--cpu)
   return 0
 }
 

@@ -5,13 +5,19 @@ options: ``true`` is a bare flag, ``false``/``null`` drops it), ``fp16`` (option
 optional ``tasks`` (per-task options) and ``eval``; its ``sample`` section overrides any of these
 for the CPU runs on the shipped samples. The scripts call the command line:
 
-    python -m linattn_tools.recipes.config args configs/glue.yaml --task mnli --devices 8
+    python -m linattn_tools.recipes.config args configs/glue.yaml --task mnli --devices 8 --device gpu
     python -m linattn_tools.recipes.config get configs/pg19_lm.yaml eval.contexts --sample
 
-(It imports nothing of the package, no torch or fairseq, so the scripts' ``python -m`` calls start quickly.)
+``args`` on the CPU (``--device cpu``) gives ``--cpu`` and leaves out the fp16 section (fairseq's fp16 needs a
+GPU). Without ``--device`` the device is the recipe scripts' ``DEVICE`` (``cpu``, or anything else for the GPU)
+when it is set, else the GPU when torch sees one and the CPU otherwise.
+
+(It imports nothing of the package and no fairseq, and torch only to look for a GPU when neither ``--device`` nor
+``DEVICE`` says the device, so the scripts' ``python -m`` calls start quickly.)
 """
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -19,6 +25,17 @@ from typing import Dict, List, Optional
 import yaml
 
 BATCH_UNITS = {"sequences": "--batch-size", "tokens": "--max-tokens"}
+DEVICES = ("gpu", "cpu")
+
+
+def default_device() -> str:
+    """The device when ``--device`` is not given: ``DEVICE`` as the recipe scripts read it (``cpu``, else the GPU),
+    or, unset, the GPU when torch sees a CUDA device and the CPU otherwise."""
+    if os.environ.get("DEVICE"):
+        return "cpu" if os.environ["DEVICE"] == "cpu" else "gpu"
+    import torch  # only here: the scripts always name the device
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def load(path, sample: bool = False) -> dict:
@@ -80,10 +97,14 @@ def task_names(config: dict) -> List[str]:
     return list((config.get("tasks") or {}).keys())
 
 
-def train_options(config: dict, task: Optional[str] = None, fp16: bool = True) -> dict:
-    """The fairseq options: train, then fp16 (if used), then the task's."""
+def train_options(config: dict, task: Optional[str] = None, fp16: bool = True, device: str = "gpu") -> dict:
+    """The fairseq options: train, then fp16 (if used: never on the CPU), then the task's; ``--cpu`` on the CPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     options = dict(config.get("train") or {})
-    if fp16:
+    if device == "cpu":
+        options["cpu"] = True
+    elif fp16:
         options.update(config.get("fp16") or {})
     if task is not None:
         tasks = config.get("tasks") or {}
@@ -114,12 +135,13 @@ def to_argv(options: dict) -> List[str]:
 
 def fairseq_args(config: dict, devices: int, task: Optional[str] = None, fp16: bool = True,
                  per_device: Optional[int] = None, update_freq: Optional[int] = None,
-                 split: Optional[Dict[str, int]] = None) -> List[str]:
-    """Everything the config says, plus the per-device batch and --update-freq (of ``split`` if given)."""
+                 split: Optional[Dict[str, int]] = None, device: str = "gpu") -> List[str]:
+    """Everything the config says for ``device`` (``train_options``), plus the per-device batch and --update-freq
+    (of ``split`` if given)."""
     split = split or batch_split(config["batch"], devices, per_device, update_freq, granule(config, task))
     batch_flag = BATCH_UNITS[config["batch"]["unit"]]
-    return to_argv(train_options(config, task, fp16)) + [batch_flag, str(split["per_device"]),
-                                                         "--update-freq", str(split["update_freq"])]
+    return to_argv(train_options(config, task, fp16, device)) + [batch_flag, str(split["per_device"]),
+                                                                 "--update-freq", str(split["update_freq"])]
 
 
 def get(config: dict, dotted: str):
@@ -143,7 +165,10 @@ def main(argv=None) -> None:
     get_cmd.add_argument("key", help="dotted key, e.g. eval.contexts")
     args_cmd.add_argument("--task", help="a key of the config's tasks")
     args_cmd.add_argument("--devices", type=int, default=1, help="GPUs per node x nodes (default 1)")
-    args_cmd.add_argument("--no-fp16", action="store_true", help="leave out the fp16 section (CPU, FP16=0)")
+    args_cmd.add_argument("--device", choices=DEVICES,
+                          help="where fairseq-train runs: cpu gives --cpu and no fp16 options (default: $DEVICE "
+                               "if set, else gpu when torch sees one, else cpu)")
+    args_cmd.add_argument("--no-fp16", action="store_true", help="leave out the fp16 section (FP16=0)")
     args_cmd.add_argument("--per-device", type=int, help="override the per-device batch")
     args_cmd.add_argument("--update-freq", type=int, help="override the computed update frequency")
     args = parser.parse_args(argv)
@@ -158,7 +183,8 @@ def main(argv=None) -> None:
             print(f"[config] note: {args.devices} device(s) x {split['per_device']} x update-freq "
                   f"{split['update_freq']} = {split['effective']} {config['batch']['unit']} per update, "
                   f"not the paper's {config['batch']['total']}", file=sys.stderr)
-        print("\n".join(fairseq_args(config, args.devices, args.task, not args.no_fp16, split=split)))
+        device = args.device or default_device()
+        print("\n".join(fairseq_args(config, args.devices, args.task, not args.no_fp16, split=split, device=device)))
 
 
 if __name__ == "__main__":

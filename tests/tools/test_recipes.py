@@ -272,6 +272,33 @@ def test_batch_split_keeps_the_total_whole_samples_and_says_when_it_cannot(capsy
     assert "not the paper's" not in capsys.readouterr().err
 
 
+def test_args_on_the_cpu_give_cpu_and_no_fp16_whatever_says_the_device(monkeypatch, capsys):
+    """The sample sections are CPU runs: ``args --sample`` on a CPU (``--device cpu``, ``DEVICE=cpu``, or no GPU that
+    torch sees) gives ``--cpu`` and none of the fp16 options, which fairseq cannot run on a CPU; a GPU keeps them."""
+    import torch
+
+    glue = ["args", str(ROOT / "configs" / "glue.yaml"), "--task", "kjv_testament", "--sample"]
+
+    def argv(*extra, device_env=None, cuda=False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        if device_env is None:
+            monkeypatch.delenv("DEVICE", raising=False)
+        else:
+            monkeypatch.setenv("DEVICE", device_env)
+        config.main([*glue, *extra])
+        return capsys.readouterr().out.split()
+
+    fp16 = {"--fp16", "--fp16-init-scale", "--fp16-scale-window", "--threshold-loss-scale"}
+    for cpu in ({}, {"device_env": "cpu", "cuda": True}, {"extra": ("--device", "cpu"), "cuda": True}):
+        case = argv(*cpu.pop("extra", ()), **cpu)
+        assert "--cpu" in case and not fp16 & set(case), case
+        assert case[-2:] == ["--update-freq", "1"]
+    for gpu in ({"extra": ("--device", "gpu")}, {"device_env": "gpu"}, {"cuda": True}):
+        case = argv(*gpu.pop("extra", ()), **gpu)
+        assert fp16 <= set(case) and "--cpu" not in case, case
+    assert "--fp16" not in argv("--device", "gpu", "--no-fp16")
+
+
 def test_configs_hold_the_papers_hyper_parameters():
     pre = config.train_options(config.load(ROOT / "configs" / "pretrain_wikitext103.yaml"))
     assert (pre["tokens-per-sample"], pre["lr"], pre["warmup-updates"], pre["max-update"]) == (512, 5e-4, 10000, 125000)
@@ -298,7 +325,7 @@ def test_every_config_gives_options_fairseq_train_accepts(tmp_path):
         for sample in (False, True):
             cfg = config.load(ROOT / "configs" / name, sample)
             sample_task = config.task_names(cfg)[0] if sample and task else None
-            argv = config.fairseq_args(cfg, devices=8, task=sample_task or task)
+            argv = config.fairseq_args(cfg, devices=8, task=sample_task or task, device="cpu" if sample else "gpu")
             parser = options.get_training_parser()
             args = options.parse_args_and_arch(parser, [str(tmp_path), "--user-dir", str(ROOT / "fairseq_linattn"),
                                                         *argv, *extra])
