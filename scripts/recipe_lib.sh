@@ -139,9 +139,10 @@ config_args() {
 # SAMPLE=1), followed by /SUBDIR when given
 data_dir() {
   local base rel sub="${2:+/$2}"
-  if [ -n "${DATA:-}" ]; then echo "$DATA$sub"; return; fi
   rel="$(config_get "$1" data)"
-  if [ "$SAMPLE" = 1 ]; then
+  if [ -n "${DATA:-}" ]; then
+    base="$DATA"
+  elif [ "$SAMPLE" = 1 ]; then
     if [ ! -f "$SAMPLE_DATA/$rel$sub/.done" ]; then
       "$PY" -m linattn_tools.recipes.prepare_samples --out "$SAMPLE_DATA" >&2 || die "preparing the samples failed"
     fi
@@ -149,7 +150,10 @@ data_dir() {
   else
     case "$rel" in /*) base="$rel";; *) base="$ROOT/$rel";; esac
   fi
-  [ -d "$base$sub" ] || die "no data directory $base$sub (prepare it first, or set DATA)"
+  if [ ! -d "$base$sub" ]; then  # DRY_RUN prints the command before the data is there
+    [ "${DRY_RUN:-0}" = 1 ] || die "no data directory $base$sub (prepare it first, or set DATA)"
+    echo "[recipe] note: no data directory $base$sub yet (prepare it first, or set DATA)" >&2
+  fi
   echo "$base$sub"
 }
 

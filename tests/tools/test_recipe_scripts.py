@@ -188,6 +188,23 @@ def test_dry_run_prints_the_torchrun_command_of_a_second_node_and_runs_nothing(t
     assert proc.returncode == 2 and "NODE_RANK must be an integer in [0, NNODES = 2)" in proc.stderr
 
 
+def test_dry_run_prints_the_command_before_the_data_exists_and_a_real_run_refuses(tmp_path):
+    """The README's GPU example: DRY_RUN=1 prints the full fairseq-train line while the data is still to be
+    prepared (a note names the missing directory); without DRY_RUN the same call stops there, running nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "SAMPLE", "OUT", "DATA")}
+    env.update(DEVICE="gpu", GPUS_PER_NODE="1", DATA=str(tmp_path / "missing"), OUT=str(tmp_path / "out"), DRY_RUN="1")
+    proc = run_script("pretrain_wikitext103.sh", "lln", env=env)
+    assert proc.returncode == 0, proc.stderr
+    args = shlex.split(proc.stdout.splitlines()[0])
+    assert args[0].endswith("fairseq-train") and args[1] == str(tmp_path / "missing")
+    assert args[args.index("--encoder-attention-type") + 1] == "lln" and "--fp16" in args
+    assert f"note: no data directory {tmp_path / 'missing'} yet" in proc.stderr
+    env.pop("DRY_RUN")
+    proc = run_script("pretrain_wikitext103.sh", "lln", env=env)
+    assert proc.returncode != 0 and f"no data directory {tmp_path / 'missing'}" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # --- reports ------------------------------------------------------------------------------------
 
 
