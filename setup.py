@@ -39,6 +39,9 @@ setup(
         "sentencepiece",
         "datasets",
         "tensorboard",
+        # fairseq's text_to_speech task, imported by every fairseq command before the plugin, logs "Please install
+        # tensorboardX" when it is missing, although --tensorboard-logdir writes through torch.utils.tensorboard
+        "tensorboardX",
         "matplotlib",
         "pyyaml",  # configs/*.yaml (linattn_tools.recipes.config)
     ],

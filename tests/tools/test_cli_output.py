@@ -36,6 +36,16 @@ def test_importing_the_plugin_keeps_warnings_and_drops_debug_lines_and_the_tenso
     assert "tensorboardX" not in out, out
 
 
+def test_fairseq_commands_print_no_tensorboardx_notice(tmp_path):
+    """fairseq-train (and every fairseq command) sets INFO logging and imports its tasks before it loads the plugin;
+    its text_to_speech task then said "Please install tensorboardX" whenever tensorboardX was missing, although
+    --tensorboard-logdir writes through torch.utils.tensorboard. tensorboardX is a dependency (setup.py)."""
+    proc = python(["-c", "import fairseq_cli.train"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "tensorboardX" not in out, out
+
+
 def test_a_logging_set_up_made_before_the_import_is_kept(tmp_path):
     code = textwrap.dedent("""
         import logging, sys
