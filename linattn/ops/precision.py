@@ -41,8 +41,9 @@ def function_output(out: Tensor, dtype: torch.dtype) -> Tensor:
     gives the compiled Function a second output for such an alias (a ``.to`` to the same dtype, or a buffer
     written with ``out=``) and routes the output's gradient to it: every input gradient comes out wrong. The copy is
     ``slice_copy``'s (the whole tensor, contiguous): ``to(copy=True)`` keeps a dense input's strides, so Dynamo
-    guarded on whether an output sliced from padded rows was contiguous (a length on the block or window grid
-    compiled a second graph), and a ``clone`` or a copy into a new buffer brings the wrong gradients back on 2.11."""
+    would guard on whether an output sliced from padded rows is contiguous (a length on the block or window grid
+    would compile a second graph), and a ``clone`` or a copy into a new buffer brings the wrong gradients back on
+    2.11."""
     if torch.compiler.is_compiling():
         return torch.slice_copy(out.to(dtype))
     return out.to(dtype)

@@ -16,8 +16,8 @@ in the kernels (the running key maximum by ``_states`` as it walks the chunks).
   selection, so no output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q
   [S_c, z_c]) divided by its last column.
 
-One program per head walking its chunks in order (the first form) left an H100 with 12 programs at B*H = 12 (N =
-32K): 6.7x slower than the softmax module there (docs/design.md §1.3.1).
+Only ``_states`` walks the chunks, split over feature and value blocks; a walk of one program per head would leave
+most of a GPU idle at the training shapes (B*H = 12 programs at 32K tokens a step; docs/design.md §1.3.1).
 """
 from typing import Optional, Tuple
 

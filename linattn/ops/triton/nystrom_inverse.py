@@ -6,7 +6,8 @@ Forward, from the landmarks L (d,D) and the used slots: M = kappa(L, L) ⊙ keep
 A = S M S, Z_0 = Aᵀ / (max column sum of A), Z' = Z (13I - P(15I - P(7I - P))) / 4 with P = A Z, and M^-1 ≈ S Z S.
 It stores Z_0 .. Z_steps (the tape); the backward rebuilds M and A, each P = A Z from the tape, and runs the
 iteration's own derivative back to dL/dL. A d×d matrix (64 KiB at d = 128) is too big for a program's registers
-(one held whole spilled kilobytes a thread, and the backward's took 320 KiB of shared memory, sm_90): the matrices
+(held whole, it spills kilobytes a thread, and the backward's would need 320 KiB of shared memory, more than an
+sm_90 block has): the matrices
 live in a work area in global memory (each program's own, in L1 and L2 while it runs), and every product is a pass
 over blocks of BLOCK rows, steps of BK along the inner dimension, then a barrier (``tl.debug_barrier``, which
 also makes the block's global writes visible to its threads). Products of fp32 matrices by ``wide_dot``
