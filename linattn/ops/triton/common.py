@@ -22,12 +22,9 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 # over the chunks (BV at most Dv's block: the whole of it), BLOCK: rows a step of the Nyström backward (C and dE
 # (BLOCK, L) in registers), TF32: the products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3
 # ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``). Chosen so that no kernel spills registers at D = 64 where
-# a setting can avoid it (read from the sm_90 binaries without a GPU:
-# ``python -m linattn_tools.benchmark.kernel_resources``; docs/design.md §1.3.1): exact fp32 products of 64x64 tiles
-# are FMAs whose operands fill a thread's 255 registers: 16 of 22 kernel builds spilled, up to 4.2 KiB a thread. On
-# the H100 (torch 2.11, Triton 3.6, ``python -m linattn_tools.benchmark.tune_fused``) the two settings that moved an
-# op's time were such switches: 4 warps on ``_state_grad`` (264 B spilled) made the non-causal op 3.1x slower than 8
-# (none), on ``_grads`` (6.4 KiB against 4.2) the causal op 1.7x. Not yet timed on a GPU since.
+# a setting can avoid it: exact fp32 products of 64x64 tiles are FMAs whose operands fill a thread's 255 registers,
+# and a spilled tile goes to local memory and back at each use, which bounds a kernel's time (docs/design.md §1.3.1,
+# *Registers*; what each setting spills, read from the sm_90 binaries, is in docs/benchmarks.md).
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
@@ -54,10 +51,10 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_moment_scales": dict(num_warps=1, num_stages=1, enable_fp_fusion=False),
           "lln_moment_fold": dict(num_warps=1, num_stages=1, enable_fp_fusion=False)}
 
-# At D or Dv over 64 (blocks of 128): within an H100's 227 KiB of shared memory a block (the Nyström backward's
-# tf32 operands take 272 KiB), and fewer spills (``kernel_resources``, sm_90, bytes a thread, Triton 3.6 / 3.9): the
-# Nyström backward in steps of 16 rows on 16 warps (10.7 KiB / 11.3 at 32 rows on 8 -> 0.2 / 0.8), the block
-# softmax on 8 warps (0.3 / 0.3 -> 0 / 0), LLN's non-causal ``_state_grad`` on 16 (0.5 / 0.1 -> 0.2 / 0.1)
+# At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
+# memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
+# over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
+# Fused kernels' registers, D = 128)
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}

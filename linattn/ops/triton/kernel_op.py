@@ -2,10 +2,9 @@
 ``TorchDispatchMode`` (the op counter) see as one op each.
 
 ``torch.library.custom_op`` would register the same op, but each call then runs its Python autograd wrapper and
-Dynamo's disable wrapper: about 30 µs of host time a call against 9 through ``torch.library.Library`` (measured on
-the CPU, torch 2.13; ``python -m linattn_tools.benchmark.host_time``), and a fused step calls five to ten. The ops
-are called inside the methods' ``autograd.Function`` s (no gradient flows through them), so they have no autograd
-kernel.
+Dynamo's disable wrapper, about three times the host time of a call through ``torch.library.Library``
+(docs/benchmarks.md § Host time), and a fused step calls five to ten. The ops are called inside the methods'
+``autograd.Function`` s (no gradient flows through them), so they have no autograd kernel.
 """
 from typing import Callable, Sequence
 
