@@ -1,9 +1,9 @@
 """The method registry (``linattn.methods``) on the command line: the recipe scripts' check of an attention
-type, the methods' list, the README's options table. Pure Python (no torch): the scripts' check is quick.
+type, the methods' list, the options table of docs/usage.md. Pure Python (no torch): the scripts' check is quick.
 
     python -m linattn_tools.methods_cli check --role encoder|decoder|cross TYPES  # exit 2 on a bad type
     python -m linattn_tools.methods_cli list [--role ROLE]                        # one name per line
-    python -m linattn_tools.methods_cli options-table                              # the README's table
+    python -m linattn_tools.methods_cli options-table                              # docs/usage.md's table
 """
 import argparse
 import sys
@@ -23,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check.add_argument("types", help="a method name, or a comma list with one type per layer")
     listing = sub.add_parser("list", help="the methods, one per line")
     listing.add_argument("--role", choices=ROLES)
-    sub.add_parser("options-table", help="the README's options table")
+    sub.add_parser("options-table", help="the options table of docs/usage.md")
     args = parser.parse_args(argv)
     if args.command == "check":
         types = [t.strip() for t in args.types.split(",")]

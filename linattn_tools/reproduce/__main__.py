@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from . import common, decoding, ledger, lln_cost, lln_distribution, quickstart, skyformer_error, skyformer_fig1
+from . import (common, decoding, front_page, ledger, lln_cost, lln_distribution, quickstart, skyformer_error,
+               skyformer_fig1)
 
 # Wall time of each group when no earlier run of it is committed (seconds, on FALLBACK_CORES shared cores).
 FALLBACK_SECONDS = {"lln_distribution": 240, "lln_cost": 300, "quickstart": 600, "skyformer_error": 120,
@@ -91,18 +92,23 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
             common.run_group(group, command, settings, measure_quickstart, out, wall_s=wall_s)
 
 
-def render(results: Path, ledger_path: Path, check: bool) -> int:
-    text = ledger.render(ledger.load_results(results))
+def render(results: Path, ledger_path: Path, check: bool, readme: Path = front_page.README) -> int:
+    """Write (``check``: compare) the ledger and the README's results section, both from the JSON alone."""
+    records = ledger.load_results(results)
+    section = front_page.section(records, *ledger.claim_counts(records), front_page.load_gpu_targets())
+    texts = {ledger_path: ledger.render(records),
+             readme: front_page.replace(readme.read_text(), section)}
     if check:
-        current = ledger_path.read_text() if ledger_path.is_file() else ""
-        if current != text:
-            print(f"{ledger_path} differs from what the JSON in {results} renders: run "
+        stale = [path for path, text in texts.items() if (path.read_text() if path.is_file() else "") != text]
+        for path in stale:
+            print(f"{path} differs from what the JSON in {results} renders: run "
                   f"`bash scripts/reproduce.sh --render`", file=sys.stderr)
-            return 1
-        print(f"{ledger_path} is up to date")
-        return 0
-    ledger_path.write_text(text)
-    print(f"[reproduce] wrote {ledger_path}")
+        if not stale:
+            print(f"{ledger_path} and {readme}'s results are up to date")
+        return 1 if stale else 0
+    for path, text in texts.items():
+        path.write_text(text)
+        print(f"[reproduce] wrote {path}")
     return 0
 
 
@@ -125,6 +131,7 @@ def main(argv: List[str] = None) -> int:
     ren = sub.add_parser("render", help="rewrite the ledger from the JSON alone (seconds)")
     ren.add_argument("--results", type=Path, default=common.RESULTS_DIR)
     ren.add_argument("--ledger", type=Path, default=common.LEDGER)
+    ren.add_argument("--readme", type=Path, default=front_page.README, help="its results section is rewritten too")
     ren.add_argument("--check", action="store_true", help="exit 1 if the ledger differs from what the JSON renders")
     exp = sub.add_parser("expected-time", help="print the expected wall time")
     exp.add_argument("--only", nargs="+", choices=common.GROUPS, default=list(common.GROUPS))
@@ -133,7 +140,7 @@ def main(argv: List[str] = None) -> int:
         print(expected_text(args.only))
         return 0
     if args.command == "render":
-        return render(args.results, args.ledger, args.check)
+        return render(args.results, args.ledger, args.check, args.readme)
     print(f"[reproduce] {expected_text(args.only)}", flush=True)
     run_groups(args.only, out=args.out, quick=args.quick, reuse_quickstart=args.reuse_quickstart,
                quickstart_dir=args.quickstart_dir, reuse_benchmark=args.reuse_benchmark)

@@ -1,7 +1,7 @@
 """Render docs/reproduction.md from the result records and the claims (nothing in it is typed by hand)."""
 import json
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from .claims import Verdict, evaluate_all
 from .common import GROUPS, RESULTS_DIR, result_path
@@ -73,10 +73,15 @@ def _machines(records: Dict[str, Dict]) -> str:
     return f"this {'/'.join(map(str, cores))}-core {'/'.join(devices)} machine"
 
 
+def claim_counts(records: Dict[str, Dict]) -> Tuple[int, int]:
+    """(claims that hold, claims tested) over the records."""
+    verdicts = [v for _, v in evaluate_all(records) if v is not None and v.holds is not None]
+    return sum(v.holds is True for v in verdicts), len(verdicts)
+
+
 def render(records: Dict[str, Dict]) -> str:
     verdicts = evaluate_all(records)
-    held = sum(1 for _, v in verdicts if v is not None and v.holds is True)
-    tested = sum(1 for _, v in verdicts if v is not None and v.holds is not None)
+    held, tested = claim_counts(records)
     lines = [
         "# Reproduction ledger",
         "",

@@ -125,10 +125,10 @@ def test_build_attention_validates_a_mapping_of_options():
     assert module.window == 5 and module.config.lln_chunk_size == 64
 
 
-def test_readme_options_table_is_the_registry_s():
-    readme = (ROOT / "README.md").read_text()
-    assert options_table() in readme, "README's options table differs: paste `python -m " \
-                                      "linattn_tools.methods_cli options-table`"
+def test_usage_options_table_is_the_registry_s():
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert options_table() in usage, "docs/usage.md's options table differs: paste `python -m " \
+                                     "linattn_tools.methods_cli options-table`"
 
 
 def test_methods_cli_checks_a_type_for_a_role():
