@@ -28,7 +28,7 @@ own, capped at --cap seconds [$CAP] (a point over it is left out of the table an
 [DIR: runs/gpu_bench], then DIR/targets.md: time over softmax's (the issue's target, the implementation that ran,
 for fused steps their byte floor over their time, docs/benchmarks/step_floors.json) and the worst peak memory over
 softmax's. --dtypes: some of float16 bfloat16 [both].
---tune SECONDS: first \`python -m linattn_tools.benchmark.tune_fused\` (its float64 checks, then the launch settings
+--tune SECONDS: first \`python -m dev.perf.tune_fused\` (its float64 checks, then the launch settings
 of the kernels, LLN's first, then the block softmax's, Skyformer's and LAVO's; capped at SECONDS: what it found by
 then counts, its checks included) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
 settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.txt, the profiler's kernel table of
@@ -62,7 +62,7 @@ rm -f "$OUT"/*.json "$OUT/targets.md" "$OUT"/tune_fused.* "$OUT"/profile_*.txt
 cd "$ROOT"
 failed=()
 if [ "$TUNE" != 0 ]; then
-  timeout "$TUNE" "$PY" -m linattn_tools.benchmark.tune_fused --json "$OUT/tune_fused.json" --env "$OUT/tune_fused.env" \
+  timeout "$TUNE" "$PY" -m dev.perf.tune_fused --json "$OUT/tune_fused.json" --env "$OUT/tune_fused.env" \
     || failed+=("tune_fused (over ${TUNE} s or a check failed: the points run LAUNCH's settings)")
   if [ -f "$OUT/tune_fused.env" ]; then set -a; . "$OUT/tune_fused.env"; set +a; fi
 fi
@@ -82,7 +82,7 @@ done
 if [ "$PROFILE" = 1 ]; then
   for case in "lln" "lln --causal" "lavo --causal" "skyformer" "lln_diag"; do
     read -r method causal <<< "$case"
-    timeout "$CAP" "$PY" -m linattn_tools.benchmark.profile_step --method "$method" $causal "${PROFILE_ARGS[@]}" \
+    timeout "$CAP" "$PY" -m dev.perf.profile_step --method "$method" $causal "${PROFILE_ARGS[@]}" \
       --impl "$IMPL" --dtype "${DTYPES[0]}" --out "$OUT/profile_${method}${causal:+_causal}.txt" >/dev/null \
       || failed+=("profile $case")
   done

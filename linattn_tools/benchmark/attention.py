@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn.ops.impls import IMPLS, implementation_for, resolve_impl
-from linattn.profiling import count_dispatch
 from linattn_tools.benchmark import cli, flops, measure, report, sweep
+from linattn_tools.benchmark.dispatch import count_dispatch
 from linattn_tools.methods_extra import benchmarked
 
 # the registry's methods, and block softmax (LLN+Diag's Diag part) beside them (linattn_tools.methods_extra)

@@ -4,10 +4,10 @@ causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.
     python -m linattn_tools.benchmark.targets --dtype bfloat16 --n 4096 --json runs/gpu_bench/bfloat16_4096.json
     python -m linattn_tools.benchmark.targets --render runs/gpu_bench/*.json     # the targets table
     python -m linattn_tools.benchmark.targets --render docs/benchmarks/gpu_targets_h100.json --run parallel
-    python -m linattn_tools.benchmark.targets --floors docs/benchmarks/step_floors.json    # on the meta device
+    python -m linattn_tools.benchmark.targets --render runs/gpu_bench/*.json --floors docs/benchmarks/step_floors.json
     bash scripts/gpu_bench.sh                                                    # every point, then the table
 
-One step (``gpu_shape.step``): ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``,
+One step (``module_step``): ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``,
 weights and inputs in ``--dtype``, B = ``--tokens-per-step`` // N, forward + backward from an output gradient (no
 loss); causal steps unpadded, non-causal ones with the last eighth of the last sequence padded. Time: median of
 ``--repeats`` steps (CUDA events on a GPU) after warm-up; peak memory above the inputs. Each point records the
@@ -25,7 +25,7 @@ import torch
 
 from linattn.ops.impls import IMPLS, implementation_for
 from linattn_tools.benchmark import flops, measure
-from linattn_tools.benchmark.gpu_shape import build, module_step_inputs, step
+from linattn_tools.benchmark.module_step import build, module_step_inputs, step
 
 from .cli import write_json
 
@@ -88,20 +88,11 @@ def measure_point(args) -> dict:
     return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows}
 
 
-def step_floors(sizes=SIZES, tokens: int = 32768, dtype: str = "float16") -> dict:
-    """The byte and FLOP floor (``traffic``, counted on the meta device) of every fused series of ``TARGETS`` at
-    each N of ``sizes``: {series: {N: seconds}} (the bytes of bf16 are those of fp16)."""
-    from linattn_tools.benchmark.traffic import step_traffic
-
-    floors = {f"{m}{' causal' if c else ''}": {str(n): step_traffic(m, c, n, tokens, dtype, "fused")["seconds"]
-                                               for n in sizes} for m, c in TARGETS}
-    return {"tokens_per_step": tokens, "dtype": dtype, "impl": "fused", "floors": floors}
-
-
 def render(results: List[dict], floors: Optional[dict] = None) -> str:
     """Markdown: per dtype and series, time / the softmax module's (target in brackets, the implementation that
-    ran; with ``floors`` (``step_floors``), the step's floor over its time for ``fused`` points) and the worst peak
-    memory ratio, for every N measured."""
+    ran; with ``floors``, docs/benchmarks/step_floors.json as the developer tool ``python -m dev.perf.traffic --floors``
+    writes it, the step's floor over its time for ``fused`` points) and the worst peak memory ratio, for every N
+    measured."""
     rows = [r for res in results for r in res["rows"]]
     floor_of = (floors or {}).get("floors", {})
     lines = []
@@ -154,18 +145,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--run", default=None, help="with --render, of a file holding several runs "
                    "(docs/benchmarks/gpu_targets_h100.json): the one of this name")
     p.add_argument("--floors", type=Path, default=None, metavar="JSON",
-                   help="with --render: each fused step's floor over its time, from this file; alone: measure "
-                        "nothing on a device, count the floors at every N of the targets on the meta device and "
-                        "write them here (docs/benchmarks/step_floors.json)")
+                   help="with --render: each fused step's floor over its time, from this file "
+                        "(docs/benchmarks/step_floors.json, counted on the meta device by a developer tool: "
+                        "python -m dev.perf.traffic --floors FILE)")
     args = p.parse_args(argv)
     if args.render:
         results = [json.loads(path.read_text()) for path in args.render]
         if args.run:
             results = [{"machine": res["machine"], "rows": res["runs"][args.run]["rows"]} for res in results]
         print(render(results, json.loads(args.floors.read_text()) if args.floors else None))
-        return 0
-    if args.floors:
-        write_json(args.floors, step_floors(tokens=args.tokens_per_step))
         return 0
     res = measure_point(args)
     if args.json:

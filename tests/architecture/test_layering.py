@@ -9,6 +9,10 @@ from typing import List, Optional
 from helpers import ROOT
 
 SHIPPED = ("linattn", "fairseq_linattn", "linattn_tools")  # setup.py's packages
+# the developer measurement tools, in dev/perf (``python -m dev.perf.<tool>``): none ships again under these names
+# (``profiling``: the package of ``saved``'s byte count and the dispatch count, now linattn_tools.benchmark.dispatch)
+DEVELOPER_TOOLS = ("kernel_resources", "tune_fused", "fused_ops", "compare_ops", "gpu_shape", "host_time", "compile",
+                   "traffic", "profile_step", "saved")
 
 
 def python(code: str) -> subprocess.CompletedProcess:
@@ -142,3 +146,43 @@ def test_models_are_registered_when_a_module_of_the_plugin_is_imported_first():
                   "from fairseq.models import ARCH_MODEL_REGISTRY\n"
                   "assert 'linattn_lm_tiny' in ARCH_MODEL_REGISTRY\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def setup_packages() -> List[str]:
+    """The packages ``setup.py`` installs: its ``find_packages(...)`` call, run on this tree."""
+    from setuptools import find_packages
+
+    call = next(node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "find_packages")
+    return find_packages(str(ROOT), **{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+
+
+def test_setup_installs_the_three_packages_and_neither_dev_nor_tests():
+    found = setup_packages()
+    assert {p.split(".")[0] for p in found} == set(SHIPPED), found
+    assert {"linattn_tools.benchmark", "linattn.ops.triton"} <= set(found)
+
+
+def dev_references(source: str):
+    """(line, what) of each import of ``dev`` in ``source`` and each string naming a module of ``dev`` (as
+    ``python -m`` or ``importlib`` take it)."""
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else [])
+        for name in names:
+            if re.fullmatch(r"dev(\.\w+)*", name):
+                yield node.lineno, name
+
+
+def test_no_shipped_module_imports_or_runs_dev_and_no_developer_tool_ships():
+    example = ("import os\nfrom dev.perf import traffic\nfrom . import dev\nimport dev\n"
+               "cmd = ['-m', 'dev.perf.tune_fused']\ntext = 'python -m dev.perf.traffic'\n")
+    assert sorted(dev_references(example)) == [(2, "dev.perf"), (4, "dev"), (5, "dev.perf.tune_fused")]
+    found = [(str(path.relative_to(ROOT)), line, name) for package in SHIPPED
+             for path in sorted((ROOT / package).rglob("*.py")) for line, name in dev_references(path.read_text())]
+    assert not found, f"shipped code needs dev/, which is not installed: {found}"
+    shipped = [path.relative_to(ROOT) for package in SHIPPED for path in (ROOT / package).rglob("*.py")]
+    back = [str(path) for path in shipped if {path.stem, *path.parts[:-1]} & {*DEVELOPER_TOOLS, "profiling"}]
+    assert not back, f"developer tools under the shipped packages (their place: dev/perf): {back}"
+    assert all((ROOT / "dev" / "perf" / f"{tool}.py").is_file() for tool in DEVELOPER_TOOLS)

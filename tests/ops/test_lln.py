@@ -206,7 +206,7 @@ def test_tensor_scales_are_checked_on_the_device_in_one_assertion(which, bad):
     """alpha and beta as tensors (the moment matcher's, per head): both checked by one device assertion (a forward
     runs it every time: five launches for the pair, not ten), which still fails for a bad value in either, on any
     head, naming both."""
-    from linattn.profiling import count_dispatch
+    from linattn_tools.benchmark.dispatch import count_dispatch
 
     q = torch.randn(1, 2, 5, 4)
     good = torch.full((1, 2, 1, 1), 0.5)

@@ -12,8 +12,8 @@ from helpers import LAYOUT_CASES, LAYOUTS, check_fused_layouts, compiled_op_coun
 
 from linattn import ops
 from linattn.ops.impls import implementation_for
-from linattn.profiling.dispatch import count_dispatch
 from linattn.tolerances import tolerance
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before anything imports Triton"
 

@@ -10,7 +10,7 @@ from helpers import padding_mask
 
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
 from linattn.ops.moment_matching import MIN_SIGMA
-from linattn.profiling.dispatch import count_dispatch
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")
 from linattn.ops.triton.moment_match import fold_moments, lln_scales  # noqa: E402

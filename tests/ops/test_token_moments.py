@@ -8,7 +8,7 @@ from helpers import LAYOUTS, padding_mask
 
 from fairseq_linattn.modules.moment_matcher import MomentMatcher
 from linattn import ops
-from linattn.profiling.dispatch import count_dispatch
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
 

@@ -10,8 +10,8 @@ from helpers import rel_err
 from fairseq_linattn.modules.build import build_attention
 from linattn.methods import methods_for
 from linattn.ops.impls import implementation_for
-from linattn.profiling.dispatch import count_dispatch
 from linattn.tolerances import tolerance
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (ops/triton/common.py)
 

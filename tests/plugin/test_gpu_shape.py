@@ -4,9 +4,10 @@ softmax's, and a step on the ``meta`` device."""
 import pytest
 import torch
 
+from dev.perf.gpu_shape import bf16_saved_bytes, count_step
 from linattn.methods import methods_for
-from linattn.profiling import count_dispatch
-from linattn_tools.benchmark.gpu_shape import bf16_saved_bytes, build, count_step, module_step_inputs, step
+from linattn_tools.benchmark.dispatch import count_dispatch
+from linattn_tools.benchmark.module_step import build, module_step_inputs, step
 
 CAUSAL = {"encoder": False, "decoder": True}
 CASES = [(m, role) for role in CAUSAL for m in methods_for(role)]

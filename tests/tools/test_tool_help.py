@@ -1,4 +1,5 @@
-"""Every tool under linattn_tools starts one way, ``python -m linattn_tools.<tool>``, and answers --help.
+"""Every tool under linattn_tools starts one way, ``python -m linattn_tools.<tool>``, and answers --help; so does
+every developer tool under dev/perf, ``python -m dev.perf.<tool>`` from the repository's root.
 
 A tool is a module with a ``main``: it is started as ``python -m`` that module (it ends with
 ``if __name__ == "__main__"``), or, for a package's command-line module, as ``python -m`` the package
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-TOOLS = ROOT / "linattn_tools"
+TOOLS = (ROOT / "linattn_tools", ROOT / "dev" / "perf")
 GUARD = re.compile(r'^if __name__ == "__main__":', re.M)
 
 
@@ -23,9 +24,9 @@ def _module(path: Path) -> str:
 
 
 def tool_modules():
-    """{module to start: file defining the main} for every file under linattn_tools with a ``def main(``."""
+    """{module to start: file defining the main} for every file under ``TOOLS`` with a ``def main(``."""
     found = {}
-    for path in sorted(TOOLS.rglob("*.py")):
+    for path in sorted(p for tools in TOOLS for p in tools.rglob("*.py")):
         text = path.read_text()
         if not re.search(r"^def main\(", text, re.M):
             continue
@@ -76,7 +77,8 @@ def helps():
 def test_the_tools_are_found():
     assert {"linattn_tools.fit_moments", "linattn_tools.cpu_ddp", "linattn_tools.analysis",
             "linattn_tools.reproduce", "linattn_tools.benchmark.attention", "linattn_tools.benchmark.model",
-            "linattn_tools.benchmark.compare_ops", "linattn_tools.recipes.gpu_selftest"} <= set(MODULES)
+            "linattn_tools.benchmark.targets", "linattn_tools.recipes.gpu_selftest", "dev.perf.compare_ops",
+            "dev.perf.tune_fused"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -14,8 +14,8 @@ from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, paddin
 from linattn import ops
 from linattn.ops.impls import implementation_for
 from linattn.ops.real_tokens import over_reordered_tokens, real_first_order
-from linattn.profiling.dispatch import count_dispatch
 from linattn.tolerances import tolerance
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
 

@@ -6,10 +6,10 @@ import helpers
 import pytest
 import torch
 
+from dev.perf.saved import saved_bytes
 from linattn import ops
 from linattn.compile_shapes import compile_varying_lengths
 from linattn.ops import working_set
-from linattn.profiling import saved_bytes
 
 IMPLS = ["parallel", "looped"]
 

@@ -12,8 +12,8 @@ from helpers import rel_err
 from linattn.ops.skyformer.inverse import inverse_backward, inverse_forward
 from linattn.ops.skyformer.nystrom import _keep
 from linattn.ops.triton.nystrom_inverse import nystrom_inverse, nystrom_inverse_backward
-from linattn.profiling.dispatch import count_dispatch
 from linattn.tolerances import tolerance
+from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
 

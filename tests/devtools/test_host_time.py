@@ -1,10 +1,10 @@
-"""The host-time benchmark (``linattn_tools.benchmark.host_time``): every series measured with its kernels' launches
+"""The host-time benchmark (``dev.perf.host_time``): every series measured with its kernels' launches
 stubbed, and the stub gone afterwards."""
 import pytest
 import torch
 
+from dev.perf import host_time
 from linattn import ops
-from linattn_tools.benchmark import host_time
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (triton/common.py)
 

@@ -1,11 +1,12 @@
-"""The fused kernels' GPU tools run here too: the traffic count (meta device), the profiler's table (CPU), the
-launch tuner's reference check and search (Triton's interpreter, tiny shapes)."""
+"""The fused kernels' GPU tools run here too: the traffic count and the targets' byte floors (meta device), the
+profiler's table (CPU), the launch tuner's reference check and search (Triton's interpreter, tiny shapes)."""
 import os
 
 import pytest
 import torch
 
-from linattn_tools.benchmark import profile_step, traffic
+from dev.perf import profile_step, traffic
+from linattn_tools.benchmark.targets import TARGETS
 
 
 def test_traffic_counts_the_fused_causal_step_below_half_the_parallel_one():
@@ -53,6 +54,12 @@ def test_traffic_counts_the_products_of_skyformers_inverse_kernels():
     assert rows["nystrom_inverse"][3] == torch.float32  # at the fp32 rate, as the ``bmm`` s were
 
 
+def test_step_floors_count_every_fused_target_series_on_the_meta_device():
+    res = traffic.step_floors(sizes=(512,), tokens=1024)
+    assert set(res["floors"]) == {f"{m}{' causal' if c else ''}" for m, c in TARGETS}
+    assert all(0 < f["512"] < 1 for f in res["floors"].values())
+
+
 def test_profile_step_prints_the_step_table_on_the_cpu():
     text = profile_step.table("lln", True, 32, 64, "float32", "parallel", "cpu", steps=1, rows=5)
     head, bound = text.splitlines()[:2]
@@ -68,8 +75,8 @@ def test_tune_fused_checks_and_searches_under_the_interpreter(monkeypatch):
     tf32 and tf32x3 emulated)."""
     pytest.importorskip("triton", minversion="3.9")
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from dev.perf import tune_fused
     from linattn.ops.triton import lln_noncausal
-    from linattn_tools.benchmark import tune_fused
 
     monkeypatch.setattr(lln_noncausal, "SPLIT_ROWS", lln_noncausal.SPLIT_ROWS)  # the search leaves its best there
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", "{}")  # and its best settings here: both restored after the test

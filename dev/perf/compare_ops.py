@@ -10,7 +10,7 @@ earlier ops come from ``git archive <commit> linattn/ops`` (no fairseq import, s
 Prints a table, writes JSON, and with --docs rewrites a section of docs/benchmarks.md. With ``--malloc keep``
 (the default) the tool restarts with glibc keeping freed memory, as ``linattn_tools.benchmark.attention`` does.
 
-    python -m linattn_tools.benchmark.compare_ops --baseline 99cd0d5 --sizes 16384 32768 \
+    python -m dev.perf.compare_ops --baseline 99cd0d5 --sizes 16384 32768 \
         --json docs/benchmarks/ops_vs_99cd0d5.json --docs docs/benchmarks.md --section "ops against 99cd0d5"
 """
 import argparse
@@ -30,9 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn import ops
 from linattn_tools.benchmark import cli, measure, report
+from linattn_tools.benchmark.cli import write_json
 from linattn_tools.methods_extra import METHODS_EXTRA
-
-from .cli import write_json
 
 CASES = ["lln", "lln causal", "lln_diag", "lln_diag causal", "lavo", "lavo causal", "skyformer"]
 TOLERANCE = 0.05  # the time target of the allocation-light ops: no op slower than before with --malloc keep (±5 %)

@@ -1,6 +1,7 @@
 """Counts the ATen ops a piece of code dispatches: each non-view op is at least one kernel launch on a GPU,
 and each host sync (``Tensor.item``, ``bool(t)``, boolean-mask indexing) stalls the stream until the GPU catches
-up."""
+up. The attention benchmark's "ATen ops launched" column (``attention``) and the tests' op budgets count with it; the
+developer tools (``dev/perf``) too."""
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -7,8 +7,8 @@ GPU; Dynamo's caches are reset before each compiled model, as in a fresh process
 ``--repeats`` updates (eager and compiled updates alternated, so the machine's drift enters both) and the graphs
 Dynamo made (more than one per attention class would be graph breaks).
 
-    python -m linattn_tools.benchmark.compile --docs docs/benchmarks.md
-    python -m linattn_tools.benchmark.compile --quick --json /tmp/compile.json
+    python -m dev.perf.compile --docs docs/benchmarks.md
+    python -m dev.perf.compile --quick --json /tmp/compile.json
 """
 import argparse
 import json
@@ -25,10 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from linattn.methods import methods_for
 from linattn_tools.benchmark import fairseq_models, measure, report
+from linattn_tools.benchmark.cli import write_json
 from linattn_tools.benchmark.model import train_case
 from linattn_tools.methods_extra import METHODS_EXTRA
-
-from .cli import write_json
 
 DEFAULT_JSON = ROOT / "docs" / "benchmarks" / "compile.json"
 MODES = {"eager": [], "compiled": ["--attention-compile"]}

@@ -1,5 +1,5 @@
 """Every fused kernel compiled for an H100 (sm_90) without a GPU, through Triton's whole pipeline and its bundled
-ptxas (``linattn_tools.benchmark.kernel_resources``): within the H100's shared memory a block and each method's
+ptxas (``dev.perf.kernel_resources``): within the H100's shared memory a block and each method's
 ``SHARED_MEMORY_KIB``, and spilling no registers at D = 64 beyond what ``RESIDUAL_SPILL_BYTES`` records."""
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import ROOT, torch_211_python
 
-from linattn_tools.benchmark.kernel_resources import RESIDUAL_SPILL_BYTES, SHARED_KIB, name
+from dev.perf.kernel_resources import RESIDUAL_SPILL_BYTES, SHARED_KIB, name
 
 pytest.importorskip("triton", minversion="3.6")
 
@@ -18,7 +18,7 @@ def resources(python, tmp_path, *args):
     """The tool's rows, run by ``python`` (Triton compiles for a GPU only with the interpreter off)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "rows.json"
-    run = subprocess.run([python, "-m", "linattn_tools.benchmark.kernel_resources", *args, "--json", str(out)],
+    run = subprocess.run([python, "-m", "dev.perf.kernel_resources", *args, "--json", str(out)],
                          capture_output=True, text=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(out.read_text())["rows"]
@@ -56,7 +56,7 @@ def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_row
 def test_builds_in_several_processes_give_one_process_s_rows_in_order(tmp_path, capsys):
     """``--jobs``: the builds spread over processes come back as the rows one process makes, in the same order (a
     pool that returned them as they finish would not); a count below 1 is refused at parsing."""
-    from linattn_tools.benchmark.kernel_resources import main
+    from dev.perf.kernel_resources import main
     args = ("--configs", "fp16:64", "bf16:64", "--kernels", "lln_moment_fold", "lln_key_max", "lln_token_moments")
     one, two = (resources(sys.executable, tmp_path, *args, "--jobs", jobs) for jobs in ("1", "2"))
     assert one == two and [row["kernel"] for row in one] == ["lln_key_max", "lln_token_moments", "lln_moment_fold"] * 2
@@ -104,7 +104,7 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
 def test_markdown_against_compares_the_builds_both_runs_have():
     """Rows at LAUNCH's settings only, matched by dtype, D and kernel (LAVO's causality included); a kernel one run
     lacks is left out."""
-    from linattn_tools.benchmark.kernel_resources import markdown_against
+    from dev.perf.kernel_resources import markdown_against
 
     def row(kernel, causal, regs, spill, change=None):
         return dict(dtype="fp16", d=64, kernel=kernel, causal=causal, change=change or {}, registers=regs,

@@ -6,9 +6,9 @@ thread spills to local memory (ptxas' stack frame), shared memory a block, and t
 Each kernel goes through Triton's whole pipeline for ``GPUTarget("cuda", 90, 32)`` (``--arch 80``: an A100's) with
 the Triton installed (its bundled ptxas and cuobjdump), at ``LAUNCH``'s settings or with ``--set`` overrides:
 
-    python -m linattn_tools.benchmark.kernel_resources --json runs/kernel_resources.json
-    python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
-    python -m linattn_tools.benchmark.kernel_resources --configs fp16:64 --markdown-against earlier.json
+    python -m dev.perf.kernel_resources --json runs/kernel_resources.json
+    python -m dev.perf.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
+    python -m dev.perf.kernel_resources --configs fp16:64 --markdown-against earlier.json
 
 A thread has at most 255 registers; what does not fit is spilled to local memory, which lives in L1/L2/HBM: a
 spilling kernel turns its register tiles into memory traffic. On the H100 (Triton 3.6) the launch setting that
@@ -49,8 +49,7 @@ from linattn.ops.triton import (
     token_moments,
 )
 from linattn.ops.triton.common import LAUNCH, TF32_SETTINGS, launch
-
-from .cli import write_json
+from linattn_tools.benchmark.cli import write_json
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100/H200 (sm_90), A100 (sm_80)

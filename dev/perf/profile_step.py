@@ -1,9 +1,10 @@
 """Where one attention module's training step spends its device time: torch.profiler's table of kernels (self
-device time, calls) over a few steps of the targets' step (``targets.py``: 768 wide, 12 heads, forward + backward),
-headed by what bounds the step: its wall time, the host's time to issue it and the device's busy time (the sum of
-its kernels' times). A device busy for much less than the step's wall time waits on the host (launch-bound).
+device time, calls) over a few steps of the targets' step (``linattn_tools.benchmark.module_step``: 768 wide, 12
+heads, forward + backward), headed by what bounds the step: its wall time, the host's time to issue it and the
+device's busy time (the sum of its kernels' times). A device busy for much less than the step's wall time waits on
+the host (launch-bound).
 
-    python -m linattn_tools.benchmark.profile_step --method lln --causal --n 4096 --dtype float16 --impl fused
+    python -m dev.perf.profile_step --method lln --causal --n 4096 --dtype float16 --impl fused
 """
 import argparse
 import sys
@@ -14,7 +15,7 @@ from typing import List, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from linattn_tools.benchmark.gpu_shape import add_step_arguments, build, module_step_inputs, step
+from linattn_tools.benchmark.module_step import add_step_arguments, build, module_step_inputs, step
 
 
 def table(method: str, causal: bool, n: int, tokens: int, dtype: str, impl: str, device: str, steps: int = 3,

@@ -7,9 +7,9 @@ Every Triton kernel runs under Triton's interpreter with its launch replaced by 
 wrapper around it, its layouts, checks and output allocations, still run), at a tiny step (E = 32, H = 2, N = 8,
 one sequence, bf16: ATen's CPU kernels then cost about what a GPU's launches do), the softmax module's beside it.
 The fused implementation's GPU launches, and the ATen ops' CUDA launch calls, add to these times on a GPU; the
-GPU's own measure is ``targets.py``'s ``issue_s`` and ``profile_step.py``'s head.
+GPU's own measure is ``linattn_tools.benchmark.targets``' ``issue_s`` and ``profile_step``'s head.
 
-    python -m linattn_tools.benchmark.host_time [--impl fused] [--rounds 5] [--steps 100] [--json F]
+    python -m dev.perf.host_time [--impl fused] [--rounds 5] [--steps 100] [--json F]
 """
 import argparse
 import contextlib
@@ -24,11 +24,10 @@ import torch
 
 from fairseq_linattn.modules.build import build_attention
 from linattn.ops.impls import implementation_for
-from linattn.profiling import count_dispatch
-from linattn_tools.benchmark.gpu_shape import step
-
-from .cli import write_json
-from .targets import BASELINE, TARGETS
+from linattn_tools.benchmark.cli import write_json
+from linattn_tools.benchmark.dispatch import count_dispatch
+from linattn_tools.benchmark.module_step import step
+from linattn_tools.benchmark.targets import BASELINE, TARGETS
 
 EMBED, HEADS, LENGTH = 32, 2, 8
 # the moment matcher's one-program kernel whose outputs (the scales, checked > 0 downstream) the stand-in sets to 1

@@ -1,22 +1,29 @@
 """The memory traffic of one attention module's training step, counted on the ``meta`` device (no GPU needed): the
 bytes each ATen op (or custom op) reads and writes, and a floor on its GPU time, max(bytes / bandwidth, matmul
 FLOPs / rate) + a launch, summed per op name. A lower bound that says which ops move the bytes; the profiler on a
-GPU (``profile_step.py``) says what they cost. SDPA on ``meta`` is its materialising (math) form, so the softmax
+GPU (``profile_step``) says what they cost. SDPA on ``meta`` is its materialising (math) form, so the softmax
 module's count is not its flash kernel's.
 
-    python -m linattn_tools.benchmark.traffic --method lln --causal --n 4096 --impl fused
+    python -m dev.perf.traffic --method lln --causal --n 4096 --impl fused
+    python -m dev.perf.traffic --floors docs/benchmarks/step_floors.json    # every target series at every N
+
+``--floors``: the floor of every fused series of the targets (``linattn_tools.benchmark.targets``) at each of their
+N, which ``targets --render --floors`` sets beside each fused step's time.
 """
 import argparse
 import math
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from linattn_tools.benchmark.gpu_shape import add_step_arguments, build, module_step_inputs, step
+from linattn_tools.benchmark.cli import write_json
+from linattn_tools.benchmark.module_step import add_step_arguments, build, module_step_inputs, step
+from linattn_tools.benchmark.targets import SIZES, TARGETS
 
 BANDWIDTH = 2.5e12  # bytes/s an H100's HBM3 sustains in practice (3.35 nominal)
 HALF_RATE, FLOAT_RATE = 600e12, 50e12  # dense matmul FLOP/s in half precision (tensor cores) and fp32
@@ -101,11 +108,25 @@ def step_traffic(method: str, causal: bool, n: int, tokens: int, dtype: str, imp
             "per_op": dict(sorted(per_op.items(), key=lambda kv: -kv[1]))}
 
 
+def step_floors(sizes=SIZES, tokens: int = 32768, dtype: str = "float16") -> dict:
+    """The byte and FLOP floor of every fused series of ``TARGETS`` at each N of ``sizes``: {series: {N: seconds}}
+    (the bytes of bf16 are those of fp16)."""
+    floors = {f"{m}{' causal' if c else ''}": {str(n): step_traffic(m, c, n, tokens, dtype, "fused")["seconds"]
+                                               for n in sizes} for m, c in TARGETS}
+    return {"tokens_per_step": tokens, "dtype": dtype, "impl": "fused", "floors": floors}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_step_arguments(p, impl="parallel")
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--floors", type=Path, default=None, metavar="JSON",
+                   help="count no single step: write the floors of every fused target series at every N of the "
+                        "targets (at --tokens-per-step) here (docs/benchmarks/step_floors.json)")
     args = p.parse_args(argv)
+    if args.floors:
+        write_json(args.floors, step_floors(tokens=args.tokens_per_step))
+        return 0
     res = step_traffic(args.method, args.causal, args.n, args.tokens_per_step, args.dtype, args.impl)
     series = f"{args.method}{' causal' if args.causal else ''} N={args.n} {args.dtype} impl {args.impl}"
     print(f"{series}: {res['ops']} ops, {res['bytes'] / 2**30:.2f} GiB moved, floor {res['seconds'] * 1e3:.2f} ms at "

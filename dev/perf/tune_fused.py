@@ -3,7 +3,7 @@
 of the unbounded products, timing the kernel family's op forward + backward (CUDA events, median) at the training
 shapes (docs/design.md §1.3.1). Families: LLN, the block softmax (LLN+Diag), Skyformer, LAVO (``fused_ops``).
 
-    python -m linattn_tools.benchmark.tune_fused --json runs/tune_fused.json --env runs/tune_fused.env
+    python -m dev.perf.tune_fused --json runs/tune_fused.json --env runs/tune_fused.env
     set -a; . runs/tune_fused.env; set +a          # later commands in this shell run the best settings
 
 The best settings found go into ``linattn/ops/triton/common.py``'s ``LAUNCH`` by hand, with the card they were
@@ -21,9 +21,10 @@ import torch
 
 from linattn.ops.triton import common, lln_noncausal
 from linattn.tolerances import tolerance
+from linattn_tools.benchmark import measure
+from linattn_tools.benchmark.cli import write_json
 
-from . import fused_ops, measure
-from .cli import write_json
+from . import fused_ops
 
 # (B, N) at 32K tokens a step, H = 12, D = Dv = 64 (the targets' shapes, docs/design.md §1.3)
 SHAPES = ((8, 4096), (1, 32768))
