@@ -9,8 +9,17 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from . import (common, decoding, front_page, ledger, lln_cost, lln_distribution, quickstart, skyformer_error,
-               skyformer_fig1)
+from . import (
+    common,
+    decoding,
+    front_page,
+    ledger,
+    lln_cost,
+    lln_distribution,
+    quickstart,
+    skyformer_error,
+    skyformer_fig1,
+)
 
 # Wall time of each group when no earlier run of it is committed (seconds, on FALLBACK_CORES shared cores).
 FALLBACK_SECONDS = {"lln_distribution": 240, "lln_cost": 300, "quickstart": 600, "skyformer_error": 120,
