@@ -285,7 +285,7 @@ def test_causal_lln_groups_of_several_chunks_reuse_their_buffers_exactly(gen, mo
         torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # compile handling: CI compiles one module case (tests/plugin/test_attention_compile.py)
 @pytest.mark.parametrize("op", ["lln", "causal_lln", "block_softmax"])
 def test_parallel_forms_compile_without_graph_breaks_and_equal_eager(gen, op):
     """LLN (both modes) and block softmax in their parallel implementations under ``compile_varying_lengths(fn,

@@ -103,7 +103,7 @@ def test_lavo_runs_on_the_meta_device(impl, causal):
     assert out.shape == q.shape and q.grad.shape == q.shape and pos_bias.grad.shape == pos_bias.shape
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # compile handling: CI compiles one module case (tests/plugin/test_attention_compile.py)
 @pytest.mark.parametrize("causal", [True, False])
 def test_lavo_parallel_compiles_without_graph_breaks_and_equals_eager(gen, causal):
     """``compile_varying_lengths(op, fullgraph=True)``, as ``--attention-compile`` compiles: one graph (a break

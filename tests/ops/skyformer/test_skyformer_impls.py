@@ -83,7 +83,7 @@ def test_iterative_inverse_gradcheck_with_unused_slots(gen, gamma):
     assert torch.autograd.gradcheck(lambda x: _kernel_inverse(x, used, gamma, False), (land,))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # compile handling: CI compiles one module case (tests/plugin/test_attention_compile.py)
 @pytest.mark.parametrize("method", ["skyformer", "kernelized"])
 def test_parallel_form_compiles_in_one_graph_and_equals_eager(gen, method):
     """``compile_varying_lengths(fn, fullgraph=True)``, as ``--attention-compile`` compiles: no graph break, and
