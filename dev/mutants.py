@@ -90,7 +90,7 @@ MUTANTS = [
     M("impls-auto-cpu", OPS + "impls.py", '("looped" if kind == "cpu" and not',
       '("parallel" if kind == "cpu" and not', "auto picks the GPU implementation on the CPU",
       ("tests/ops/test_impls.py",)),
-    M("impls-auto-compiled-looped", OPS + "impls.py", 'kind == "cpu" and not torch.compiler.is_compiling()',
+    M("impls-auto-compiled-looped", OPS + "impls.py", 'kind == "cpu" and not compiling',
       'kind == "cpu"', "torch.compile unrolls the looped implementation's loops (auto not parallel there)",
       ("tests/ops/test_impls.py",)),
     M("batched-add-dropped", OPS + "batched.py", "out = torch.baddbmm(add.reshape(-1, *add.shape[-2:]), a3, b3, "
@@ -325,6 +325,9 @@ MUTANTS = [
       "config.validate(encoder_layers=encoder_layers, decoder_layers=decoder_layers)", "config.validate()",
       "per-layer attention types not checked against the layer counts", ("tests/plugin/test_options.py",),
       FAIRSEQ_SLOW),
+    M("config-impls-not-the-ops", "linattn/config.py", "choices=IMPLS)", 'choices=("auto", "parallel", "looped"))',
+      "--attention-impl offers other names than the ops take",
+      ("tests/ops/test_impls.py", "tests/plugin/test_option_errors.py")),
     M("logs-not-averaged", "fairseq_linattn/training_logs.py", "float(total) / count, weight=count",
       "float(total), weight=count", "logged statistics are sums over workers, not means",
       ("tests/plugin/test_training_logs.py", "tests/plugin/test_training_stats.py"), FAIRSEQ_SLOW),

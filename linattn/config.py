@@ -8,6 +8,7 @@ all derive from these fields. Pure Python: no torch, no fairseq.
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from linattn.implementations import IMPLS
 from linattn.methods import METHODS, flag, layer_types, methods_for
 
 
@@ -68,10 +69,11 @@ class AttentionConfig:
     attention_impl: str = option(
         "auto", "implementation of the attention ops: parallel = a fixed number of batched tensor ops whatever the "
         "length (GPU-shaped); looped = passes over cache-sized chunks (the fast CPU implementation); fused = Triton "
-        "kernels where a method has them (LLN, LLN+Diag, Skyformer, LAVO self-attention; half inputs on CUDA; the "
-        "faster choice for causal LLN on an H100), else parallel; auto = looped on the CPU, parallel on any other "
-        "device and under --attention-compile",
-        choices=("auto", "parallel", "looped", "fused"))
+        "kernels where a method has them (LLN, LLN+Diag, Skyformer, LAVO self-attention; the faster choice for causal "
+        "LLN on an H100), else parallel: half inputs on CUDA (--fp16 or --bf16; --amp but for LAVO, whose bases stay "
+        "float32), a run they cannot take is refused with the reasons; auto = looped on the CPU, parallel on any "
+        "other device and under --attention-compile",
+        choices=IMPLS)
     attention_compile: bool = option(
         False, "compile each attention's op call with torch.compile (batch and lengths dynamic, heads and head size "
         "fixed; torch >= 2.11): fused Triton kernels on a GPU, C++ on the CPU; the first batch pays the compile time "

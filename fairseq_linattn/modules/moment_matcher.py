@@ -88,7 +88,8 @@ class MomentMatcher(nn.Module):
     ema <- ema_momentum * ema + (1 - ema_momentum) * batch, so a causal output never depends on
     future tokens or other sequences; eval uses the frozen buffers). per_head: statistics and
     alpha, beta per head, else per layer. seq_len: the N of the ``exact`` table. impl: the attention's
-    ``--attention-impl``, which ``ops.token_moments`` follows (``fused``: q's and k's row sums in one kernel).
+    ``--attention-impl``, which ``ops.token_moments`` and the matching follow (LLN's implementation's own kernels
+    where its file has them: ``fused``'s row sums in one kernel, the matching in one-program kernels).
 
     sigma is the std of all entries of non-padded tokens (all D channels pooled; see the module
     docstring for the convention). A training forward's ``batch`` statistics are its own rank's (as batch
@@ -108,7 +109,7 @@ class MomentMatcher(nn.Module):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-        self.impl = impl  # the attention's implementation (--attention-impl): fused sums the rows in one kernel
+        self.impl = impl  # the attention's implementation (--attention-impl), whose own kernels the matching runs
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if stats not in STATS:
@@ -202,20 +203,23 @@ class MomentMatcher(nn.Module):
         var = (moments[2:4] / n - mean ** 2).clamp_min(0)
         return var.masked_fill(empty, 1.0), count
 
-    def _fused(self, like: Tensor) -> bool:
-        """Whether the matching after the token sums runs in one-program kernels (``ops/triton/moment_match.py``):
-        modes with the line a x + b, where LLN's implementation resolves to ``fused`` for q like ``like``."""
-        return self.mode in ("paper", "fit") and implementation_for(LLN_IMPLEMENTATIONS, self.impl, like) == "fused"
+    def _kernels(self, like: Tensor):
+        """The file of LLN's implementation for q like ``like`` where the matching after the token sums runs in its
+        one-program kernels (its ``lln_scales`` and ``fold_moments``: ``fused``'s), for modes with the line
+        a x + b; else None."""
+        if self.mode not in ("paper", "fit"):
+            return None
+        implementation = LLN_IMPLEMENTATIONS[implementation_for(LLN_IMPLEMENTATIONS, self.impl, like)]
+        return implementation if hasattr(implementation, "lln_scales") else None
 
-    def _scales(self, like: Tensor, fused: bool, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def _scales(self, like: Tensor, kernels, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of moments (5, G) or, without them, the EMA buffers: one
-        launch where ``fused`` (``_fused(like)``), else ``_match``'s two dozen."""
-        if not fused:
+        launch of ``kernels.lln_scales`` (``_kernels(like)``) if given, else ``_match``'s two dozen."""
+        if kernels is None:
             var = torch.stack([self.ema_var_q, self.ema_var_k]) if moments is None else self._variances(moments)[0]
             return self._match(var, like)
-        from linattn.ops.triton.moment_match import lln_scales
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
-        stats, ab = lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
+        stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
         self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
 
@@ -262,13 +266,13 @@ class MomentMatcher(nn.Module):
             return self._statistics(q, k, key_padding_mask, trained_on)
 
     def _statistics(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], trained_on: bool):
-        fused = self._fused(q)
+        kernels = self._kernels(q)
         if self.stats == "batch":
             if self.training:
                 moments = self._training_moments(q, k, key_padding_mask)
                 if trained_on:
-                    moments = self._record(moments, fused)
-                return self._scales(q, fused, moments)
+                    moments = self._record(moments, kernels)
+                return self._scales(q, kernels, moments)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
             # Chosen on the device, with no host sync: (2, B, G) either way
@@ -276,11 +280,11 @@ class MomentMatcher(nn.Module):
             running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
             return self._match(torch.where(self.running_batches > 0, running, own), like=q)
         # the value from before this batch (computed first: the fold below updates the buffers in place)
-        alpha_beta = self._scales(q, fused)
+        alpha_beta = self._scales(q, kernels)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            self._record(self._training_moments(q, k, key_padding_mask), fused)
+            self._record(self._training_moments(q, k, key_padding_mask), kernels)
         return alpha_beta
 
     def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -288,17 +292,17 @@ class MomentMatcher(nn.Module):
         moments = self._moments(q, k, key_padding_mask)
         return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
-    def _record(self, moments: Tensor, fused: bool) -> Tensor:
+    def _record(self, moments: Tensor, kernels) -> Tensor:
         """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or folded
-        now (in one launch if ``fused``), all-reduced first when torch.distributed is initialised (returned
-        all-reduced)."""
+        now (in one launch of ``kernels.fold_moments`` if given), all-reduced first when torch.distributed is
+        initialised (returned all-reduced)."""
         if _FLAGS.folds_deferred:
             self.pending_moments.add_(moments)
             return moments
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             moments = moments.clone()
             dist.all_reduce(moments)
-        self._fold_moments(moments, fused)
+        self._fold_moments(moments, kernels)
         return moments
 
     def fold_pending(self) -> None:
@@ -306,13 +310,13 @@ class MomentMatcher(nn.Module):
         self._fold_moments(self.pending_moments)
         self.pending_moments.zero_()
 
-    def _fold_moments(self, moments: Tensor, fused: bool = False) -> None:
-        """``_fold`` the variances of moments (5, G) into the running statistics (``fused``: in one launch)."""
+    def _fold_moments(self, moments: Tensor, kernels=None) -> None:
+        """``_fold`` the variances of moments (5, G) into the running statistics (in one launch of
+        ``kernels.fold_moments`` if given: ``_kernels``)."""
         batch = self.stats == "batch"
         bufs = (self.running_var_q, self.running_var_k) if batch else (self.ema_var_q, self.ema_var_k)
-        if fused:
-            from linattn.ops.triton.moment_match import fold_moments
-            fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)
+        if kernels is not None:
+            kernels.fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)
         else:
             self._fold(*self._variances(moments), *bufs)
 
@@ -342,5 +346,5 @@ class MomentMatcher(nn.Module):
         if self.stats != "ema" and self.mode != "off":
             raise ValueError(f"current() needs stats='ema' (or mode='off'), got stats={self.stats!r}")
         if self.stats == "ema":
-            return self._scales(like, self._fused(like))
+            return self._scales(like, self._kernels(like))
         return self._match(torch.ones(2, 1, dtype=_F64, device=like.device), like=like)

@@ -16,12 +16,13 @@ def token_moments(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = Non
     there (inf, NaN). float32, float64 for float64 inputs: the matcher sums the rows over the tokens in float64.
 
     The rows are reduced in float32 straight from the input dtype, with no full-size upcast copy of q or k. Where
-    LLN's ``impl`` resolves to ``fused`` for q (half q: ``lln/fused.supports``) one kernel reads q and k once
-    (``triton/token_moments.py``); elsewhere four reductions (their kernels upcast inside on CUDA) and the mask.
+    LLN's implementation for q (``impls.implementation_for``: ``impl`` asked for by name and unable to take q is
+    refused) has rows of its own (a ``token_moments`` in its file: ``fused``'s, one kernel that reads q and k once),
+    those; elsewhere four reductions (their kernels upcast inside on CUDA) and the mask.
     """
-    if implementation_for(LLN_IMPLEMENTATIONS, impl, q) == "fused":  # the table, not its name: traced whole
-        from .triton.token_moments import token_moments as fused_moments
-        return fused_moments(q, k.to(q.dtype), key_padding_mask)
+    own = getattr(LLN_IMPLEMENTATIONS[implementation_for(LLN_IMPLEMENTATIONS, impl, q)], "token_moments", None)
+    if own is not None:  # the table, not the method's name: traced whole
+        return own(q, k, key_padding_mask)
     dtype = _F64 if _F64 in (q.dtype, k.dtype) else torch.float32
     rows = [x.sum(-1, dtype=dtype) for x in (q, k)]
     rows += [torch.linalg.vector_norm(x, 2, dim=-1, dtype=dtype) for x in (q, k)]

@@ -99,8 +99,10 @@ def load_checkpoint(path: str, data: str):
     import fairseq_linattn  # noqa: F401  (registers the models before the checkpoint is read)
     from fairseq_linattn.analysis.training_stats import self_attention_modules
 
+    # the measures run the model in float32 on --device: auto, whatever implementation it trained with
+    overrides = {"data": data, "attention_impl": "auto"}
     try:
-        models, _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides={"data": data})
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
     except Exception as e:  # fairseq raises many kinds; the message is what the user needs
         raise AnalysisError(f"could not load checkpoint {path}: {type(e).__name__}: {e}") from e
     model = models[0].eval()

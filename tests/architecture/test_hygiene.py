@@ -12,6 +12,8 @@ METHOD_NAMES = "softmax|lln|lln_diag|skyformer|kernelized|lavo|block_softmax"
 DISPATCH_HOMES = ("linattn/ops/", "fairseq_linattn/modules/", "linattn/methods.py", "linattn/config.py")
 # compares the experiment's own variants (softmax against LLN with several alpha, beta), not registry methods
 DISPATCH_EXEMPT = {"linattn_tools/reproduce/lln_distribution.py"}
+# where the fused implementation's name may be compared: the choice of implementations and its own files
+FUSED_HOMES = ("linattn/ops/impls.py",)
 
 
 def sources(*suffixes):
@@ -50,6 +52,21 @@ def test_method_names_select_code_only_in_the_ops_the_modules_and_the_registry()
     pattern = re.compile(rf"(==|!=)\s*['\"]({METHOD_NAMES})['\"]|\bif\b.*\bin\s*\(['\"]({METHOD_NAMES})['\"]")
     for f in sources(".py"):
         if f.startswith(DISPATCH_HOMES) or f in DISPATCH_EXEMPT or not f.startswith(PACKAGES):
+            continue
+        for i, line in enumerate((ROOT / f).read_text().splitlines(), 1):
+            assert not pattern.search(line), f"{f}:{i}: {line.strip()}"
+
+
+def test_only_the_fused_files_and_the_choice_of_implementations_compare_with_its_name():
+    """What an implementation does differently is declared in its file and read through the method's table
+    (``impls.declares``, its ``not_supported_reasons``, a function of its own), so that adding one is one file per
+    method and one entry in each table: no ``impl == "fused"`` in the library or the plugin."""
+    name = r"""['"]fused['"]"""
+    pattern = re.compile(rf"(==|!=)\s*{name}|{name}\s*(==|!=)|\b(not\s+)?in\s*[(\[{{][^)\]}}]*{name}")
+    assert pattern.search('if impl == "fused":') and pattern.search("x = impl in ('looped', 'fused')")
+    assert not pattern.search('IMPLEMENTATIONS = {"looped": looped, "fused": fused}')
+    for f in sources(".py"):
+        if not f.startswith(("linattn/", "fairseq_linattn/")) or f in FUSED_HOMES or f.endswith("/fused.py"):
             continue
         for i, line in enumerate((ROOT / f).read_text().splitlines(), 1):
             assert not pattern.search(line), f"{f}:{i}: {line.strip()}"

@@ -11,7 +11,7 @@ import torch
 from helpers import LAYOUT_CASES, LAYOUTS, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
-from linattn.ops.impls import implementation_for
+from linattn.ops.impls import ImplementationError, implementation_for
 from linattn.tolerances import tolerance
 from linattn_tools.benchmark.dispatch import count_dispatch
 
@@ -231,10 +231,12 @@ def test_causal_fused_misaligned_extreme_features_match_reference():
     torch.testing.assert_close(ops.lln_attention(q, k, v, 8.0, 8.0, causal=True, impl="fused"), v)
 
 
-def test_fp32_asked_for_fused_runs_parallel():
+def test_fp32_asked_for_fused_is_refused_naming_why():
     q = torch.randn(1, 2, 9, 8)
-    assert implementation_for("lln", "fused", q) == "parallel"
-    assert torch.equal(run(q, q, q, "fused", causal=True), run(q, q, q, "parallel", causal=True))
+    with pytest.raises(ImplementationError, match=r"dtype torch.float32 not in \(float16, bfloat16\)"):
+        implementation_for("lln", "fused", q)
+    with pytest.raises(ImplementationError, match=r"dtype torch.float32 not in \(float16, bfloat16\)"):
+        run(q, q, q, "fused", causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -49,11 +49,15 @@ def test_fused_rows_are_the_sums_of_the_entries_their_squares_and_their_count(ge
 
 
 @pytest.mark.parametrize("impl,dtype", [("parallel", torch.float16), ("looped", torch.bfloat16),
-                                        ("fused", torch.float32), ("fused", torch.float64)])
+                                        ("auto", torch.float32), ("auto", torch.float64)])
 @pytest.mark.parametrize("side", [None, "left"])
 def test_the_other_implementations_and_dtypes_take_four_reductions(gen, impl, dtype, side):
-    """fused asked of inputs its kernels do not take (fp32, fp64) is the reductions, float64 accumulating in
-    float64; padded rows holding inf and NaN give 0."""
+    """The implementations without rows of their own are the reductions, float64 accumulating in float64; padded
+    rows holding inf and NaN give 0. fused asked of inputs its kernels do not take (fp32, fp64) is refused, as
+    LLN's op refuses them."""
+    if impl == "auto":
+        with pytest.raises(ValueError, match=f"dtype {dtype} not in"):
+            ops.token_moments(torch.ones(1, 1, 2, 4, dtype=dtype), torch.ones(1, 1, 2, 4, dtype=dtype), impl="fused")
     q, k = (torch.randn(2, 2, 9, 8, generator=gen).to(dtype) for _ in range(2))
     mask = None if side is None else padding_mask(2, 9, side, gen)
     if mask is not None:

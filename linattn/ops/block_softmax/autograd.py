@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import implementation_for
+from ..impls import declares, implementation_for
 from ..inputs import check_positive_int, check_qkv
 from ..precision import autocast_off, function_output
 from ..real_tokens import in_real_first_order
@@ -44,12 +44,13 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
     padding anywhere (``real_tokens``: blocks of its real-first order), and padded keys are masked; causal adds
     a lower-triangular mask in each block. Queries with no allowed key get 0. O(N * bs) time; beyond
     the inputs it holds the output, the gradients and working-size temporaries (``looped``), or every block's
-    (bs, bs) probabilities at once (``parallel``).
+    (bs, bs) probabilities at once (``parallel``); ``fused``: Triton kernels, half inputs (``fused.SUPPORT``; other
+    inputs are refused, ``impls.implementation_for``).
     """
     check_qkv(q, k, v)
     block = min(check_positive_int("block_size", block_size), q.shape[2])
-    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, block=block)  # fused: inputs its kernels take
-    if impl == "fused":  # its kernels read the rows through the real-first order
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, causal=causal, block=block)  # refused if it cannot
+    if declares(IMPLEMENTATIONS, impl, "READS_REAL_FIRST"):  # its kernels read the rows through the order
         return block_softmax_in_order(q, k, v, key_padding_mask, block_size, causal, impl)
     return in_real_first_order(block_softmax_in_order, q, k, v, key_padding_mask, block_size, causal, impl)
 
@@ -57,6 +58,7 @@ def block_softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int 
 def block_softmax_in_order(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], block_size: int,
                            causal: bool, impl: str) -> Tensor:
     """``block_softmax_attention`` in the implementation ``impl`` (resolved, q, k, v checked), for a key padding
-    mask whose real tokens come first in each row (``real_first_order``'s), or any mask if ``impl`` is ``fused``."""
-    x = block_inputs(q, k, v, key_padding_mask, block_size, causal, impl)
+    mask whose real tokens come first in each row (``real_first_order``'s), or any mask if ``impl`` reads the rows
+    through that order itself (``READS_REAL_FIRST``)."""
+    x = block_inputs(q, k, v, key_padding_mask, block_size, causal, IMPLEMENTATIONS[impl])
     return _BlockSoftmax.apply(impl, *x).to(q.dtype)

@@ -2,29 +2,41 @@
 §1.3.1), forward and backward.
 
 ``BlockInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in their own half dtype and as mask the key padding mask (B,N)
-(True = padded) with its real-first order (B,N) int32, or both None: the kernel reads each block's rows through the
-order and forms its visible keys (not padded, before the end, not later if causal). ``supports`` says which inputs
-the kernels take; others run ``parallel``.
+(True = padded) with its real-first order (B,N) int32, or both None (``inputs``): the kernel reads each block's rows
+through the order (``READS_REAL_FIRST``: the op gathers nothing) and forms its visible keys (not padded, before the
+end, not later if causal). ``SUPPORT`` and ``not_supported_reasons`` say which inputs the kernels take.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
-from ..impls import fits_shared_memory
+from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
+from ..real_tokens import real_first_order
 from .inputs import BlockInputs
 
+READS_REAL_FIRST = True  # the kernels read each block's rows through the key padding mask's real-first order
 MAX_BLOCK = 128  # the largest block: its (bs, bs) scores are held in registers
 SHARED_MEMORY_KIB = {64: 48, 128: 96}  # the largest kernel block at D <= 64 and <= 128, sm_90
+SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=True, max_head_dim=MAX_HEAD_DIM,
+                  max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
 
 
-def supports(q: Tensor, v: Tensor, block: int = 64) -> bool:
-    """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,N,Dv) and blocks of ``block`` rows:
-    half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, block <= MAX_BLOCK, fewer than 2^31 elements each, and the
-    kernels' shared memory on q's device."""
-    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
-            and v.shape[-1] <= MAX_HEAD_DIM and block <= MAX_BLOCK and max(q.numel(), v.numel()) <= MAX_ELEMENTS
-            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(q.shape[-1], v.shape[-1])))
+def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, block: int = 64,
+                          device: Optional[torch.device] = None) -> List[str]:
+    """Why the kernels cannot take queries like q (B,H,N,D), values like v (B,H,N,Dv) and blocks of ``block`` rows
+    (``SUPPORT``'s reasons, on ``device`` for a stand-in q, and block <= MAX_BLOCK); [] where they can."""
+    reasons = SUPPORT.reasons(q, v, causal=causal, device=device)
+    if block > MAX_BLOCK:
+        reasons.append(f"block {block} > {MAX_BLOCK} (its scores are held in registers)")
+    return reasons
+
+
+def inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], bs: int, causal: bool) -> BlockInputs:
+    """q, k, v in their own dtype with the key padding mask (B,N) as given and its real-first order (B,N) int32."""
+    order = None if key_padding_mask is None else real_first_order(key_padding_mask)[0].to(torch.int32)
+    return BlockInputs(q, k, v, key_padding_mask, causal, bs, order)
 
 
 def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[Tensor, tuple]:

@@ -1,5 +1,5 @@
 """Block softmax's validated inputs, as every implementation (``looped.py``, ``parallel.py``, ``fused.py``)
-receives them."""
+receives them, each built by the implementation's ``inputs``."""
 from typing import NamedTuple, Optional
 
 import torch
@@ -7,14 +7,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..inputs import check_key_padding_mask, check_positive_int
-from ..precision import compute_dtype
-from ..real_tokens import real_first_order
 
 
 class BlockInputs(NamedTuple):
     """q, k (B,H,N,D), v (B,H,N,Dv); mask: which keys of its block a query may see, in the implementation's layout
-    (``block_inputs``), or None where it may see all; causal; block: rows per block (<= N); order: for ``fused``
-    with a mask, each row's real-first order (B,N) int32 (``real_tokens``), whose rows the blocks hold; else None."""
+    (its ``inputs``), or None where it may see all; causal; block: rows per block (<= N); order: for an
+    implementation that reads the rows through it (``READS_REAL_FIRST``) with a mask, each row's real-first order
+    (B,N) int32 (``real_tokens``), whose rows the blocks hold; else None."""
     q: Tensor
     k: Tensor
     v: Tensor
@@ -24,27 +23,21 @@ class BlockInputs(NamedTuple):
     order: Optional[Tensor] = None
 
 
-def block_inputs(q, k, v, key_padding_mask, block_size: int, causal: bool, impl: str) -> BlockInputs:
-    """Validated inputs for the implementation ``impl`` (q, k, v checked by the caller): ``looped`` gets q, k, v in
-    the compute dtype and as mask the visible keys (B|1,nb*bs); ``parallel`` gets them in their own dtype and as
-    mask the hidden keys (B|1,1,nb,bs|1,bs), causality included (both: blocks of consecutive rows); ``fused`` in
-    their own dtype with the key padding mask (B,N) as given and its real-first order (the kernel reads the rows
-    through it and forms the rest)."""
+def block_inputs(q, k, v, key_padding_mask, block_size: int, causal: bool, implementation) -> BlockInputs:
+    """Validated inputs for ``implementation`` (its module: ``looped``, ``parallel`` or ``fused``; q, k, v checked
+    by the caller), built by its ``inputs(q, k, v, key_padding_mask, bs, causal)`` with bs = min(block_size, N):
+    ``looped`` gets q, k, v in the compute dtype and as mask the visible keys (B|1,nb*bs); ``parallel`` gets them in
+    their own dtype and as mask the hidden keys (B|1,1,nb,bs|1,bs), causality included (both: blocks of consecutive
+    rows); ``fused`` in their own dtype with the key padding mask (B,N) as given and its real-first order (the
+    kernel reads the rows through it and forms the rest)."""
     block_size = check_positive_int("block_size", block_size)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     n = q.shape[2]
     bs = min(block_size, n)
-    if impl == "fused":
-        order = None if key_padding_mask is None else real_first_order(key_padding_mask)[0].to(torch.int32)
-        return BlockInputs(q, k, v, key_padding_mask, causal, bs, order)
-    valid = _visible_keys(key_padding_mask, n, bs, q.device)
-    if impl == "parallel":
-        return BlockInputs(q, k, v, _hidden_keys(valid, bs, causal, q.device), causal, bs)
-    ct = compute_dtype(q)
-    return BlockInputs(q.to(ct), k.to(ct), v.to(ct), valid, causal, bs)
+    return implementation.inputs(q, k, v, key_padding_mask, bs, causal)
 
 
-def _visible_keys(key_padding_mask: Optional[Tensor], n: int, bs: int, device) -> Optional[Tensor]:
+def visible_keys(key_padding_mask: Optional[Tensor], n: int, bs: int, device) -> Optional[Tensor]:
     """(B|1, nb*bs) keys a query may see (not padded, before the end), or None when every key may be seen."""
     nb = -(-n // bs)
     if key_padding_mask is None and nb * bs == n:
@@ -55,7 +48,7 @@ def _visible_keys(key_padding_mask: Optional[Tensor], n: int, bs: int, device) -
     return valid
 
 
-def _hidden_keys(valid: Optional[Tensor], bs: int, causal: bool, device) -> Optional[Tensor]:
+def hidden_keys(valid: Optional[Tensor], bs: int, causal: bool, device) -> Optional[Tensor]:
     """(B|1,1,nb,bs|1,bs): True where a query may not see a key of its block (padded, past the end, or later if
     causal), or None."""
     hidden = None if valid is None else ~valid.view(valid.shape[0], 1, -1, 1, bs)

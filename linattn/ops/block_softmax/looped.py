@@ -8,8 +8,16 @@ import torch
 from torch import Tensor
 
 from .. import working_set
+from ..precision import compute_dtype
 from ..windows import Group, bmm_rows, flat_heads, group_rows, scaled_bmm, window_groups
-from .inputs import BlockInputs
+from .inputs import BlockInputs, visible_keys
+
+
+def inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], bs: int, causal: bool) -> BlockInputs:
+    """q, k, v in the compute dtype and as mask the keys a query may see (B|1,nb*bs) (``visible_keys``), or None."""
+    ct = compute_dtype(q)
+    return BlockInputs(q.to(ct), k.to(ct), v.to(ct), visible_keys(key_padding_mask, q.shape[2], bs, q.device),
+                       causal, bs)
 
 
 def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[Tensor, tuple]:

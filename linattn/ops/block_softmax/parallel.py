@@ -12,7 +12,14 @@ from torch import Tensor
 
 from ..batched import bmm, chunks, rows
 from ..precision import compute_dtype
-from .inputs import BlockInputs
+from .inputs import BlockInputs, hidden_keys, visible_keys
+
+
+def inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], bs: int, causal: bool) -> BlockInputs:
+    """q, k, v in their own dtype and as mask the hidden keys (B|1,1,nb,bs|1,bs), causality included
+    (``hidden_keys``), or None."""
+    valid = visible_keys(key_padding_mask, q.shape[2], bs, q.device)
+    return BlockInputs(q, k, v, hidden_keys(valid, bs, causal, q.device), causal, bs)
 
 
 def forward(x: BlockInputs, *, average_with: Optional[Tensor] = None) -> Tuple[Tensor, tuple]:

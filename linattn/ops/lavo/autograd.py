@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import implementation_for
+from ..impls import declares, implementation_for
 from ..precision import autocast_off, function_output
 from ..real_tokens import over_reordered_tokens, real_first_order
 from . import fused, looped, parallel
@@ -48,18 +48,19 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
     exclusive cumulative sum over windows of sum_t B x_t and of the token counts. ``impl`` (``impls.resolve_impl``):
     ``looped`` holds, beyond the inputs, the output, the gradients and working-size temporaries;
     ``parallel`` all windows at once, (B,H,N,K) temporaries, K = 2w causal, w otherwise; ``fused`` Triton kernels
-    (half inputs and bases, w <= 64; ``fused.supports``, else ``parallel``). Windows and relative positions count
-    the tokens as given, padding included, unless ``real_first``: then they count each row's real tokens, padding
-    anywhere (``real_tokens``, as the module runs it): the fused kernels read and write the rows through the
-    real-first order, the other implementations run over q, k, v gathered in it and put the output back in
-    fairseq's layout (``real_tokens.over_reordered_tokens``).
+    (half inputs and bases on CUDA, w <= 64: ``fused.not_supported_reasons``; other inputs are refused). Windows and
+    relative positions count the tokens as given, padding included, unless ``real_first``: then they count each
+    row's real tokens, padding anywhere (``real_tokens``, as the module runs it): an implementation that reads the
+    rows through the real-first order (``READS_REAL_FIRST``: the fused kernels) reads and writes them there, the
+    others run over q, k, v gathered in it and put the output back in fairseq's layout
+    (``real_tokens.over_reordered_tokens``).
     """
     w, key_padding_mask = check_lavo(q, k, v, bases, pos_bias, window, key_padding_mask)
-    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, window=w, bases_dtype=bases.dtype)  # fused: inputs it takes
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, causal=causal, window=w, bases_dtype=bases.dtype)
     reordered = real_first_order(key_padding_mask) if real_first else None
     if reordered is None:
         return _lavo(q, k, v, key_padding_mask, bases, pos_bias, w, causal, impl)
-    if impl == "fused":
+    if declares(IMPLEMENTATIONS, impl, "READS_REAL_FIRST"):
         order, mask = reordered
         return _lavo(q, k, v, mask, bases, pos_bias, w, causal, impl, order)
     return over_reordered_tokens(_lavo, q, k, v, *reordered, bases, pos_bias, w, causal, impl)
@@ -68,7 +69,7 @@ def lavo_attention(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Ten
 def _lavo(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], bases: Tensor, pos_bias: Tensor,
           w: int, causal: bool, impl: str, order: Optional[Tensor] = None) -> Tensor:
     """``lavo_attention`` by ``impl`` (resolved; arguments checked), over the positions of ``order`` if given
-    (fused)."""
+    (``READS_REAL_FIRST``)."""
     extra = {} if order is None else {"order": order}
     x = IMPLEMENTATIONS[impl].inputs(q, k, v, bases, pos_bias, key_padding_mask, w, causal, **extra)
     return _LAVO.apply(impl, *x).to(q.dtype)

@@ -3,32 +3,39 @@
 
 ``inputs`` gives q, k, v and the bases in their own half dtype, the relative bias P (H,2w-1) in fp32 (autograd
 carries its gradient back to the parameter), tok (B,nw*w) fp32 and valid (B,nw*w) uint8, the real tokens, and the
-real-first order the kernels read the rows through, if any (``autograd.lavo_attention``'s ``real_first``). The
-memory's means stay torch ops (``memory.py``) inside the custom ops. ``supports`` says which inputs the kernels take;
-others run ``parallel``.
+real-first order the kernels read the rows through, if any (``READS_REAL_FIRST``; ``autograd.lavo_attention``'s
+``real_first``). The memory's means stay torch ops (``memory.py``) inside the custom ops. ``SUPPORT`` and
+``not_supported_reasons`` say which inputs the kernels take.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..impls import fits_shared_memory
+from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from ..precision import compute_dtype
 from .inputs import LavoInputs, window_valid
 
+READS_REAL_FIRST = True  # with ``real_first`` the kernels read the rows through each row's real-first order
 MAX_WINDOW = 64  # the largest window: a program holds its (w, 2w) scores and probabilities in registers
 SHARED_MEMORY_KIB = {64: 72, 128: 160}  # the largest kernel block at D <= 64 and <= 128, sm_90
+SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=True, max_head_dim=MAX_HEAD_DIM,
+                  max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
 
 
-def supports(q: Tensor, v: Tensor, window: int = 64, bases_dtype: Optional[torch.dtype] = None) -> bool:
-    """Whether the kernels take queries like q (B,H,N,D), values like v, windows of ``window`` tokens and bases of
-    ``bases_dtype``: half inputs of one dtype (the bases too: they meet q and the gradient on tensor cores), D <=
-    MAX_HEAD_DIM, window <= MAX_WINDOW, fewer than 2^31 elements each, and the kernels' shared memory on q's
-    device."""
-    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and bases_dtype in (None, q.dtype)
-            and q.shape[-1] <= MAX_HEAD_DIM and window <= MAX_WINDOW and max(q.numel(), v.numel()) <= MAX_ELEMENTS
-            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, q.shape[-1]))
+def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, window: int = 64,
+                          bases_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+                          ) -> List[str]:
+    """Why the kernels cannot take queries like q (B,H,N,D), values like v, windows of ``window`` tokens and bases
+    of ``bases_dtype`` (``SUPPORT``'s reasons, on ``device`` for a stand-in q; the bases in q's dtype: they meet q
+    and the gradient on tensor cores; window <= MAX_WINDOW); [] where they can."""
+    reasons = SUPPORT.reasons(q, v, causal=causal, device=device)
+    if bases_dtype not in (None, q.dtype):
+        reasons.append(f"bases' dtype {bases_dtype} is not the queries' {q.dtype}")
+    if window > MAX_WINDOW:
+        reasons.append(f"window {window} > {MAX_WINDOW} (its scores are held in registers)")
+    return reasons
 
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, key_padding_mask: Optional[Tensor],

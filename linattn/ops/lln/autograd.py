@@ -39,8 +39,9 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     """LLN attention in O(N D Dv) time (non-causal) or chunked O(N C D + (N/C) D Dv) (causal).
 
     ``impl``: ``looped`` (passes of working size), ``parallel`` (every row or chunk at once, a fixed number of ops;
-    its causal prefix over chunk states adds O((N/C)² D Dv)), ``fused`` (Triton kernels, half inputs; else
-    ``parallel``), ``auto`` (``impls.resolve_impl``).
+    its causal prefix over chunk states adds O((N/C)² D Dv)), ``fused`` (Triton kernels, half inputs on CUDA:
+    ``fused.SUPPORT``; other inputs are refused, naming why: ``impls.ImplementationError``), ``auto``
+    (``impls.choose``: looped on the CPU, parallel elsewhere).
 
     q (B,H,N,D), k (B,H,S,D), v (B,H,S,Dv) -> (B,H,N,Dv); alpha, beta > 0, floats or tensors
     broadcastable to (B,H,1,1). Causal needs S == N. Half inputs compute in fp32.
@@ -50,5 +51,5 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     """
     impl = resolve_impl(impl, q.device, available=IMPLEMENTATIONS)
     x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
-    impl = implementation_for(IMPLEMENTATIONS, impl, x.q, x.v, chunk=x.chunk)  # fused: inputs its kernels take
+    impl = implementation_for(IMPLEMENTATIONS, impl, x.q, x.v, causal=causal, chunk=x.chunk)  # refused if it cannot
     return _LLN.apply(impl, *x).to(q.dtype)

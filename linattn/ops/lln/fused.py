@@ -4,15 +4,17 @@
 ``forward`` and ``backward`` take ``LLNInputs`` x with q, k (B,H,N,D), v (B,H,N,Dv) in their own half dtype, read
 as half by the kernels (fp32 accumulation). The shifts are the parallel implementation's
 (``parallel._causal_shifts``), computed by the kernels from the half inputs, so the stabilisation, and the causal
-op's independence of future tokens, are unchanged. ``supports`` says which inputs the kernels take; others run
-``parallel`` (``impls.implementation_for``).
+op's independence of future tokens, are unchanged. ``SUPPORT`` and ``not_supported_reasons`` say which inputs the
+kernels take (``impls.implementation_for`` refuses the others). The moment matcher's kernels are this
+implementation's too: ``token_moments``, ``lln_scales`` and ``fold_moments`` (``triton/token_moments.py``,
+``triton/moment_match.py``; docs/design.md §3.1), run where LLN runs fused.
 """
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..impls import fits_shared_memory
+from ..impls import Support
 from .inputs import LLNInputs
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -20,17 +22,24 @@ MAX_HEAD_DIM = 128  # the largest D and Dv a kernel holds in registers
 MAX_CHUNK = 128  # the largest causal chunk: its C×C products are held in registers
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: a larger q, k or v runs ``parallel``
 SHARED_MEMORY_KIB = {64: 80, 128: 224}  # the largest block (the causal ``_grads``) at D <= 64 and <= 128, sm_90
+SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=True, max_head_dim=MAX_HEAD_DIM,
+                  max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
 
 
-def supports(q: Tensor, v: Tensor, chunk: int = 64) -> bool:
-    """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,S,Dv) and causal chunks of ``chunk``
-    rows: half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, chunk <= MAX_CHUNK, and fewer than 2^31 elements in
-    q, v and the causal chunk states (B,H,N/chunk,D,Dv+1), and the kernels' shared memory on q's device."""
-    b, h, n, d = q.shape
-    states = b * h * -(-n // chunk) * d * (v.shape[-1] + 1)
-    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and d <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM
-            and chunk <= MAX_CHUNK and max(q.numel(), v.numel(), states) <= MAX_ELEMENTS
-            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(d, v.shape[-1])))
+def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, chunk: int = 64,
+                          device: Optional[torch.device] = None) -> List[str]:
+    """Why the kernels cannot take queries like q (B,H,N,D) and values like v (B,H,S,Dv), causal in chunks of
+    ``chunk`` rows if ``causal`` (``SUPPORT``'s reasons, on ``device`` for a stand-in q, and causal: chunk <=
+    MAX_CHUNK, fewer than 2^31 elements in the chunk states (B,H,N/chunk,D,Dv+1)); [] where they can."""
+    reasons = SUPPORT.reasons(q, v, causal=causal, device=device)
+    if causal:
+        b, h, n, d = q.shape
+        states = b * h * -(-n // chunk) * d * (v.shape[-1] + 1)
+        if chunk > MAX_CHUNK:
+            reasons.append(f"causal chunk {chunk} > {MAX_CHUNK} (its C×C products are held in registers)")
+        if states > MAX_ELEMENTS:
+            reasons.append(f"{states} elements in the causal chunk states > {MAX_ELEMENTS} (int32 indices)")
+    return reasons
 
 
 def forward(x: LLNInputs, *, averaged: bool = False) -> Tuple[Tensor, tuple]:
@@ -72,3 +81,25 @@ def _per_head(x: LLNInputs) -> Tuple[Tensor, Tensor]:
     launch)."""
     b, h = x.q.shape[:2]
     return tuple(torch.stack([t.expand(b, h, 1, 1) for t in (x.alpha, x.beta)]).view(2, b, h))
+
+
+def token_moments(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """``ops.token_moments``' rows (5,B,H,N) fp32 of half q, k in one kernel that reads each once."""
+    from ..triton.token_moments import token_moments as rows
+    return rows(q, k.to(q.dtype), key_padding_mask)
+
+
+def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
+               ) -> Tuple[Tensor, Tensor]:
+    """The moment matcher's statistics (5,G) float64 (sigma q, sigma k, alpha, beta, tau) and alpha, beta (2,G) in
+    ``dtype``, from moments (5,G) or the running variances ``first``, ``second`` (G,), in one launch
+    (``triton/moment_match.py``)."""
+    from ..triton.moment_match import lln_scales as scales
+    return scales(first, second, a, b, max_scale, dtype)
+
+
+def fold_moments(moments: Tensor, buf_q: Tensor, buf_k: Tensor, batches: Optional[Tensor], momentum: float) -> None:
+    """The moment matcher's fold of moments (5,G) into its running variances in one launch
+    (``triton/moment_match.py``)."""
+    from ..triton.moment_match import fold_moments as fold
+    fold(moments, buf_q, buf_k, batches, momentum)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..block_softmax.autograd import IMPLEMENTATIONS as BLOCK_IMPLEMENTATIONS
 from ..block_softmax.autograd import block_softmax_in_order
-from ..impls import BASE, implementation_for
+from ..impls import BASE, declares, implementation_for
 from ..inputs import check_positive_int
 from ..lln.autograd import IMPLEMENTATIONS as LLN_IMPLEMENTATIONS
 from ..lln.autograd import lln_attention
@@ -57,8 +57,10 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     the learnable mixes, and learnt (gradient-requiring) alpha, beta, combine the two ops' outputs (the fused
     op folds learnt scales into q and k, which its block softmax must not see). With a key padding mask the op runs
     over each row's real-first order (``real_tokens``), so that its blocks count the row's real tokens, padding
-    anywhere: q, k, v are gathered in that order and the output put back, except in the fused non-causal average,
-    whose block kernels read their rows through the order (LLN's non-causal part does not depend on it).
+    anywhere: q, k, v are gathered in that order and the output put back, except in the non-causal average of an
+    implementation whose block part reads its rows through the order (``READS_REAL_FIRST``: the fused kernels; LLN's
+    non-causal part does not depend on it). ``impl`` as LLN's; ``fused`` runs where both parts' kernels take the
+    inputs (``fused.not_supported_reasons``), and is refused elsewhere.
     """
     learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
     n = q.shape[2]
@@ -66,11 +68,12 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     options = dict(alpha=alpha, beta=beta, block_size=block_size, causal=causal, chunk_size=chunk_size)
     if mix == "average" and not learnt:
         chunk = min(check_positive_int("chunk_size", chunk_size), n)
-        impl = implementation_for(IMPLEMENTATIONS, impl, q, v, chunk=chunk, block=block)  # fused: both parts'
+        impl = implementation_for(IMPLEMENTATIONS, impl, q, v, causal=causal, chunk=chunk, block=block)
         run = functools.partial(_average, impl=impl, **options)
-        in_place = impl == "fused" and not causal
+        # non-causal LLN does not depend on the tokens' order: the blocks may read the rows through it
+        in_place = not causal and declares(BLOCK_IMPLEMENTATIONS, impl, "READS_REAL_FIRST")
     else:
-        block_impl = implementation_for(BLOCK_IMPLEMENTATIONS, impl, q, v, block=block)
+        block_impl = implementation_for(BLOCK_IMPLEMENTATIONS, impl, q, v, causal=causal, block=block)
         run = functools.partial(_mixed, impl=impl, block_impl=block_impl, mix=mix, r=r, p=p, **options)
         in_place = False
     if in_place:
@@ -81,7 +84,7 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
 def _average(q, k, v, key_padding_mask, *, alpha, beta, block_size, causal, chunk_size, impl) -> Tensor:
     """The average (``_LLNDiagAverage``) in the resolved implementation ``impl``."""
     x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped")
-    return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, impl)).to(q.dtype)
+    return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, BLOCK_IMPLEMENTATIONS[impl])).to(q.dtype)
 
 
 def _mixed(q, k, v, key_padding_mask, *, alpha, beta, block_size, causal, chunk_size, impl, block_impl, mix, r,

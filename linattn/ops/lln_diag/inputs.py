@@ -32,9 +32,10 @@ class LLNDiagInputs(NamedTuple):
         return BlockInputs(self.q, self.k, self.v, self.block_mask, self.causal, self.block, self.block_order)
 
 
-def lln_diag_inputs(x: LLNInputs, block_size: int, impl: str) -> LLNDiagInputs:
+def lln_diag_inputs(x: LLNInputs, block_size: int, block_implementation) -> LLNDiagInputs:
     """LLN's validated inputs ``x`` (constant alpha, beta: learnt scales folded into q, k would reach the block
-    softmax) with the block softmax's mask and block size for the implementation ``impl``."""
-    diag = block_inputs(x.q, x.k, x.v, x.mask, block_size, x.causal, impl)
+    softmax) with the block softmax's mask and block size for its implementation ``block_implementation`` (the
+    module)."""
+    diag = block_inputs(x.q, x.k, x.v, x.mask, block_size, x.causal, block_implementation)
     return LLNDiagInputs(x.q, x.k, x.v, x.alpha, x.beta, x.mask, diag.mask, x.causal, x.chunk, diag.block,
                         diag.order)

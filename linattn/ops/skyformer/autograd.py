@@ -46,11 +46,12 @@ def skyformer_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int =
     q, k (B,H,N,D), v (B,H,N,Dv) -> (B,H,N,Dv). ``exact_inverse`` uses pinv(M) instead of the iteration.
     Half inputs compute in float32 (the iteration needs it) and return the input dtype. ``impl``
     (``impls.resolve_impl``): ``looped`` passes over rows of working size, ``parallel`` all 2N rows of [Q; K] at once,
-    ``fused`` Triton kernels (half inputs; ``fused.supports``, else ``parallel``).
+    ``fused`` Triton kernels (half inputs on CUDA, at most 128 landmarks: ``fused.not_supported_reasons``; other
+    inputs are refused).
     """
     choice = LandmarkChoice(num_landmarks, mode, generator, training)
     key_padding_mask = check_skyformer(q, k, v, key_padding_mask, choice, causal, gamma)
-    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, num_landmarks=num_landmarks)  # fused: inputs it takes
+    impl = implementation_for(IMPLEMENTATIONS, impl, q, v, causal=causal, num_landmarks=num_landmarks)
     rows = landmark_rows(q, key_padding_mask, choice)
     # (C_K M^-1)^T V evaluated as M^-T (C_K^T V): O(N·d·Dv + d²·Dv) instead of O(N·d²)
     x = IMPLEMENTATIONS[impl].inputs(q, k, v, rows, key_padding_mask, gamma, exact_inverse)

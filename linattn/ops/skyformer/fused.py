@@ -6,15 +6,15 @@ the iteration in one kernel (``ops/triton/nystrom_inverse.py``), both in fp32 an
 C_Q and C_K in registers from the half q, k and L, and give dL/dL and dL/dM^-1 besides dq, dk, dv. ``backward``
 carries dL/dM^-1 to L by the iteration's own derivative (one kernel, from the forward's tape) and adds dL/dL into
 the landmarks' rows of dq and dk (as ``looped``): no dense gradient of a gather, and dq, dk, dv stay the packed
-gradient the module's projection takes without a copy. ``supports`` says which inputs the kernels take; others run
-``parallel``.
+gradient the module's projection takes without a copy. ``SUPPORT`` and ``not_supported_reasons`` say which inputs
+the kernels take.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..impls import fits_shared_memory
+from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
 from ..precision import compute_dtype
 from .nystrom import (
@@ -28,16 +28,19 @@ from .nystrom import (
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
 SHARED_MEMORY_KIB = {64: 152, 128: 192}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
+SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=False, max_head_dim=MAX_HEAD_DIM,
+                  max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
 
 
-def supports(q: Tensor, v: Tensor, num_landmarks: int = 128) -> bool:
-    """Whether the kernels take queries like q (B,H,N,D), values like v (B,H,N,Dv) and ``num_landmarks`` landmarks:
-    half inputs of one dtype, D and Dv <= MAX_HEAD_DIM, at most MAX_LANDMARKS landmarks in use (d, or the 2N rows of
-    [Q; K] if fewer), fewer than 2^31 elements each, and the kernels' shared memory on q's device."""
-    return (q.dtype in HALF_DTYPES and v.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
-            and v.shape[-1] <= MAX_HEAD_DIM and min(num_landmarks, 2 * q.shape[2]) <= MAX_LANDMARKS
-            and max(q.numel(), v.numel()) <= MAX_ELEMENTS
-            and fits_shared_memory(q.device, SHARED_MEMORY_KIB, max(q.shape[-1], v.shape[-1])))
+def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, num_landmarks: int = 128,
+                          device: Optional[torch.device] = None) -> List[str]:
+    """Why the kernels cannot take queries like q (B,H,N,D), values like v (B,H,N,Dv) and ``num_landmarks``
+    landmarks (``SUPPORT``'s reasons, on ``device`` for a stand-in q, and at most MAX_LANDMARKS landmarks in use: d,
+    or the 2N rows of [Q; K] if fewer); [] where they can."""
+    reasons = SUPPORT.reasons(q, v, causal=causal, device=device)
+    if min(num_landmarks, 2 * q.shape[2]) > MAX_LANDMARKS:
+        reasons.append(f"{num_landmarks} landmarks > {MAX_LANDMARKS} (held in registers)")
+    return reasons
 
 
 def inputs(q: Tensor, k: Tensor, v: Tensor, rows: Landmarks, pad: Optional[Tensor], gamma: float,

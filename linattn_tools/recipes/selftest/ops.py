@@ -1,7 +1,7 @@
 """The ``ops`` stage: every method x role x dtype x implementation (``attention_impl`` parallel and looped; fused
-in float16 and bfloat16 for the methods whose op has fused kernels, a SKIP row naming the others), its
-module's ``attend`` on the device, forward and input gradients, judged by ``linattn.tolerances`` (the table the CPU
-tests read):
+in float16 and bfloat16 for the methods whose op has fused kernels, the module cast to that dtype as --fp16 and
+--bf16 training casts it, a SKIP row naming the others or why the kernels cannot run here), its module's ``attend``
+on the device, forward and input gradients, judged by ``linattn.tolerances`` (the table the CPU tests read):
 
 - eval: against the module's ``reference`` (its op's materialised formula) on a float64 CPU copy, same (rounded)
   inputs; padded batch rows compared on their valid rows;
@@ -94,12 +94,22 @@ def _valid(x, mask):
     return x.detach().cpu().transpose(1, 2)[~mask]
 
 
-def eval_row(module, device, dtype_name, inputs) -> dict:
-    """The device module in eval mode against its reference on a float64 CPU copy."""
+def float64_copy(module, twin=None):
+    """A float64 copy of ``module``, or of ``twin`` (the same case in an implementation that takes float64: the
+    fused kernels take half only) holding ``module``'s state."""
+    if twin is None:
+        return copy.deepcopy(module).double()
+    twin = copy.deepcopy(twin).double()
+    twin.load_state_dict(module.state_dict())
+    return twin
+
+
+def eval_row(module, device, dtype_name, inputs, twin=None) -> dict:
+    """The device module in eval mode against its reference on a float64 CPU copy (``float64_copy``)."""
     import torch
 
     q, k, v, mask, cot = inputs
-    ref = copy.deepcopy(module).double().eval()
+    ref = float64_copy(module, twin).eval()
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     want = ref.reference(*ref_in, mask)
     want_grads = _grads(want, ref_in, cot)
@@ -111,15 +121,16 @@ def eval_row(module, device, dtype_name, inputs) -> dict:
             "ok_shape": same and got.dtype == getattr(torch, dtype_name)}
 
 
-def train_row(module, device, dtype_name, inputs) -> dict:
-    """The device module in training mode against its float64 copy on the device, draws replayed; and its
-    floating-point buffers (moment statistics) after the forward against a float64 training forward on the CPU."""
+def train_row(module, device, dtype_name, inputs, twin=None) -> dict:
+    """The device module in training mode against its float64 copy on the device (``float64_copy``), draws
+    replayed; and its floating-point buffers (moment statistics) after the forward against a float64 training
+    forward on the CPU."""
     import torch
 
     q, k, v, mask, cot = inputs
     dev = copy.deepcopy(module).to(device).train()
-    dev64 = copy.deepcopy(module).double().to(device).train()
-    cpu64 = copy.deepcopy(module).double().train()
+    dev64 = float64_copy(module, twin).to(device).train()
+    cpu64 = float64_copy(module, twin).train()
     state = _rng(device)
     dev_in = [t.to(device).requires_grad_() for t in (q, k, v)]
     got = _call(dev, *dev_in, mask.to(device))
@@ -183,8 +194,11 @@ def _judge_pair(stage: Stage, check: str, row: dict, tol: float, grad_tol: float
 
 
 def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iterable[str], impl: str,
-               sizes: dict, seed: int = 0, dropout_module: Optional[object] = None) -> None:
-    """All rows of one case in one implementation; a crash fails that row, the others still run."""
+               sizes: dict, seed: int = 0, dropout_module: Optional[object] = None, twin: Optional[object] = None
+               ) -> None:
+    """All rows of one case in one implementation; a crash fails that row, the others still run. With ``twin`` (the
+    case in an implementation that takes float64), the module is cast to each row's dtype and its float64 copies
+    are the twin's (``float64_copy``)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -197,10 +211,11 @@ def check_case(stage: Stage, name: str, module, settings: Settings, dtypes: Iter
                 stage.add(f"{name} {impl} {mode} {dtype_name}", "SKIP", detail="no native bfloat16 on this GPU")
             continue
         tol, grad_tol = tolerance(module.method, dtype_name), tolerance(module.method, dtype_name, gradient=True)
+        case = module if twin is None else copy.deepcopy(module).to(getattr(torch, dtype_name))
         for mode, fn in (("eval", eval_row), ("train", train_row)):
             check = f"{name} {impl} {mode} {dtype_name}"
             try:
-                row = fn(module, settings.device, dtype_name, inputs)
+                row = fn(case, settings.device, dtype_name, inputs, twin)
             except Exception as exc:  # a crash is a failure of that case, not of the self-test
                 stage.add(check, "FAIL", detail=f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
                 continue
@@ -233,12 +248,13 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
     """Every case in every impl and dtype on ``settings.device`` (``only``: a filter on the case names)."""
     import torch
 
-    from linattn.ops.impls import implementation_for
+    from linattn.ops.impls import ImplementationError, implementation_for
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     stage = Stage("ops", note="tolerances: linattn/tolerances.py (relative error; gradients x2)")
     sizes = SIZES[settings.quick]
+    twins = build_cases(sizes["heads"], sizes["head_dim"], "parallel")  # the same parameters: the same seed
     for impl in IMPLS:
         cases = build_cases(sizes["heads"], sizes["head_dim"], impl)
         dropped = build_cases(sizes["heads"], sizes["head_dim"], impl, dropout=DROPOUT)
@@ -249,9 +265,13 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
                 check_case(stage, name, module, settings, DTYPES, impl, sizes, dropout_module=dropped[name])
                 continue
             probe = torch.empty(1, 1, 1, sizes["head_dim"], dtype=torch.float16, device=settings.device)
-            ran = implementation_for(module.method, impl, probe)
+            try:
+                ran = implementation_for(module.method, impl, probe)
+                why = f"{ran} runs: no fused kernel for this op"
+            except ImplementationError as err:  # e.g. no Triton, or the CPU without Triton's interpreter
+                ran, why = None, "; ".join(err.reasons)
             if ran == "fused":
-                check_case(stage, name, module, settings, FUSED_DTYPES, impl, sizes)
+                check_case(stage, name, module, settings, FUSED_DTYPES, impl, sizes, twin=twins[name])
             else:
-                stage.add(f"{name} fused", "SKIP", detail=f"{ran} runs: no fused kernel for this op on this device")
+                stage.add(f"{name} fused", "SKIP", detail=why)
     return stage

@@ -12,7 +12,7 @@ import torch
 from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err, siblings_layout
 
 from linattn import ops
-from linattn.ops.impls import implementation_for
+from linattn.ops.impls import ImplementationError, implementation_for
 from linattn.ops.real_tokens import over_reordered_tokens, real_first_order
 from linattn.tolerances import tolerance
 from linattn_tools.benchmark.dispatch import count_dispatch
@@ -183,15 +183,16 @@ def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, 
     assert changed == [True, True, True, False, True, False]  # dv and the bias' gradient take no such product
 
 
-def test_what_the_kernels_cannot_take_runs_parallel(gen):
+def test_what_the_kernels_cannot_take_is_refused_naming_why(gen):
     q = torch.randn(1, 2, 9, 8, dtype=torch.float16)
     assert implementation_for("lavo", "fused", q, window=64, bases_dtype=torch.float16) == "fused"
-    assert implementation_for("lavo", "fused", q, window=65) == "parallel"  # its (w, 2w) scores in registers
-    assert implementation_for("lavo", "fused", q, bases_dtype=torch.float32) == "parallel"  # bases of another dtype
-    assert implementation_for("lavo", "fused", q.float()) == "parallel"  # fp32: half inputs only
+    for options, why in ((dict(window=65), "window 65 > 64"),  # its (w, 2w) scores in registers
+                         (dict(bases_dtype=torch.float32), "bases' dtype torch.float32 is not the queries'")):
+        with pytest.raises(ImplementationError, match=why):
+            implementation_for("lavo", "fused", q, **options)
     q, k, v, bases, pos_bias = (t.detach().float() for t in inputs(gen, torch.float16, 9))
-    assert torch.equal(run(q, k, v, bases, pos_bias, "fused", causal=True),
-                       run(q, k, v, bases, pos_bias, "parallel", causal=True))
+    with pytest.raises(ImplementationError, match=r"dtype torch.float32 not in \(float16, bfloat16\)"):
+        run(q, k, v, bases, pos_bias, "fused", causal=True)  # fp32: half inputs only
 
 
 @pytest.mark.parametrize("causal", [True, False])

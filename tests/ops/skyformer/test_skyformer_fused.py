@@ -11,7 +11,7 @@ import torch
 from helpers import LAYOUT_CASES, check_fused_layouts, compiled_op_count, padding_mask, rel_err
 
 from linattn import ops
-from linattn.ops.impls import implementation_for
+from linattn.ops.impls import ImplementationError, implementation_for
 from linattn.tolerances import tolerance
 from linattn_tools.benchmark.dispatch import count_dispatch
 
@@ -181,14 +181,15 @@ def test_a_sequence_output_does_not_depend_on_its_batch(gen):
         assert torch.equal(got, want[1:2])
 
 
-def test_what_the_kernels_cannot_take_runs_parallel():
+def test_what_the_kernels_cannot_take_is_refused_naming_why():
     half = torch.randn(1, 2, 100, 8, dtype=torch.float16)
     assert implementation_for("skyformer", "fused", half, num_landmarks=128) == "fused"
-    assert implementation_for("skyformer", "fused", half, num_landmarks=129) == "parallel"  # d > 128
+    with pytest.raises(ImplementationError, match="129 landmarks > 128"):  # d > 128
+        implementation_for("skyformer", "fused", half, num_landmarks=129)
     assert implementation_for("skyformer", "fused", half[:, :, :60], num_landmarks=256) == "fused"  # 2N = 120 rows
-    assert implementation_for("skyformer", "fused", half.float()) == "parallel"  # fp32: half inputs only
     q = half.float()[:, :, :9]
-    assert torch.equal(run(q, q, q, "fused"), run(q, q, q, "parallel"))
+    with pytest.raises(ImplementationError, match=r"dtype torch.float32 not in \(float16, bfloat16\)"):
+        run(q, q, q, "fused")  # fp32: half inputs only
 
 
 def test_fused_runs_on_the_meta_device_forward_and_backward():
