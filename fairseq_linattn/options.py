@@ -16,19 +16,27 @@ Which path validates what (``check_attention_options`` below is the only caller 
 - Everything else (build_model of roberta and transformer, the layers, ``build_attention`` with an
   ``AttentionConfig``) reads ``AttentionConfig.from_args`` without validating again.
 
-Validation reads the arguments and never changes them. On the command line (``install_cli_errors``) a bad value
-ends the command as argparse ends it for a bad choice: the usage line and one ``fairseq-train: error: ...`` line,
-exit status 2; from Python it is an ``AttentionOptionError`` (a ``ValueError``). A fairseq built without the
+Beside the values, ``check_attention_options`` refuses an ``--attention-impl`` that cannot run the model's attention
+in the run the arguments describe (``check_impl``: e.g. ``fused`` without --fp16/--bf16/--amp, on the CPU or
+without Triton), naming the reasons; arguments without the trainer's options (a model's config alone) leave that to
+each op call. Validation reads the arguments and never changes them. On the command line (``install_cli_errors``) a
+bad value ends the command as argparse ends it for a bad choice: the usage line and one ``fairseq-train: error: ...``
+line, exit status 2; from Python it is an ``AttentionOptionError`` (a ``ValueError``). A fairseq built without the
 Cython extensions that training and evaluation call stops there too, with one line saying how to build them.
 """
 import dataclasses
 import functools
 import importlib
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
+import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from linattn.config import AttentionConfig
+from linattn.methods import layer_types
+from linattn.ops.impls import BASE, unsupported_reasons
+
+from .modules.build import ATTENTION_CLASSES
 
 
 def fairseq_dataclass(config_class=AttentionConfig, name: str = "AttentionOptions"):
@@ -61,7 +69,55 @@ def check_attention_options(args, *, encoder_layers: Optional[int] = None,
         config.validate(encoder_layers=encoder_layers, decoder_layers=decoder_layers)
     except ValueError as err:
         raise AttentionOptionError(str(err)) from None
+    layers = {role: layer_types(getattr(config, f"{role}_attention_type"), n, role)
+              for role, n in (("encoder", encoder_layers), ("decoder", decoder_layers)) if n is not None}
+    check_impl(args, config, layers)
     return config
+
+
+def run_dtypes(args) -> Tuple[torch.dtype, torch.dtype, str]:
+    """The dtype q, k, v reach the ops in, the parameters' dtype, and the arguments that say so. fairseq builds the
+    model in float32 and its trainer casts it: float16 with --fp16, bfloat16 with --bf16; --amp keeps it float32 and
+    runs the projections under autocast, which gives the ops float16 q, k, v (and LAVO float32 bases)."""
+    if getattr(args, "fp16", False):
+        return torch.float16, torch.float16, "--fp16"
+    if getattr(args, "bf16", False):
+        return torch.bfloat16, torch.bfloat16, "--bf16"
+    if getattr(args, "amp", False):
+        return torch.float16, torch.float32, "--amp: float16 projections, float32 parameters"
+    return torch.float32, torch.float32, "no --fp16, --bf16 or --amp"
+
+
+def run_device(args) -> Tuple[str, str]:
+    """The device type the trainer will place the model on, and why: the CPU with --cpu or without CUDA."""
+    if getattr(args, "cpu", False):
+        return "cpu", "--cpu"
+    return ("cuda", "CUDA") if torch.cuda.is_available() else ("cpu", "no CUDA device")
+
+
+def check_impl(args, config: AttentionConfig, layers: Dict[str, List[str]]) -> None:
+    """Refuse ``config.attention_impl`` where it cannot run the self-attention of a layer type of ``layers`` (role ->
+    per-layer types) in the run ``args`` describe (``run_dtypes``, ``run_device``, the head size of the role's
+    ``*_embed_dim`` / ``*_attention_heads`` where given): the model is built in float32 on the CPU and placed later,
+    so a stand-in q on the meta device asks each implementation's ``not_supported_reasons``. Only arguments with
+    the trainer's options (``fp16``) are checked; cross-attention runs no choice of implementation."""
+    if not hasattr(args, "fp16"):
+        return
+    dtype, params, precision = run_dtypes(args)
+    device, placed = run_device(args)
+    problems = []
+    for role, types in layers.items():
+        embed, heads = getattr(args, f"{role}_embed_dim", None), getattr(args, f"{role}_attention_heads", None)
+        q = torch.empty(1, 1, 1, embed // heads if embed and heads else 1, dtype=dtype, device="meta")
+        for method in dict.fromkeys(types):
+            reasons = unsupported_reasons(method, config.attention_impl, q, causal=role == "decoder", device=device,
+                                          **ATTENTION_CLASSES[method].impl_options(config, params))
+            if reasons:
+                problems.append(f"{method} {role} self-attention: {'; '.join(reasons)}")
+    if problems:
+        run = f"{str(dtype).replace('torch.', '')} on {device}: {precision}; {placed}"
+        raise AttentionOptionError(f"--attention-impl {config.attention_impl} cannot run this run's attention ({run}): "
+                                   f"{' | '.join(problems)}; allowed here: {', '.join(('auto',) + BASE)}")
 
 
 # fairseq's compiled extensions the command lines call: (module, what calls it); libbleu only for BLEU scoring

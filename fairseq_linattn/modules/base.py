@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from linattn.config import AttentionConfig
 from linattn.methods import METHODS, methods_for
+from linattn.ops.impls import choose, table_of
 from linattn.ops.packed_heads import pack_rows, split_heads
 
 from . import compile_check
@@ -25,6 +26,7 @@ from .registry import ATTENTION_CLASSES
 
 State = Dict[str, Optional[Tensor]]
 logger = logging.getLogger(__name__)
+_SAID = set()  # the implementation choices logged (``_say_impl``): each once per process
 
 
 @with_incremental_state
@@ -143,9 +145,33 @@ class AttentionBase(nn.Module):
                 weights = weights.transpose(0, 1) if need_head_weights else weights.mean(1)
         return self.out_proj(out), weights
 
+    @classmethod
+    def impl_options(cls, config: AttentionConfig, params: torch.dtype) -> dict:
+        """The options of ``config`` its op's implementations check besides q and v (``impls.unsupported_reasons``:
+        LLN's chunk, LAVO's window and bases, ...), its parameters in ``params``; none here."""
+        return {}
+
+    def _say_impl(self) -> None:
+        """Log once per module type (method and role) the implementation its op runs where it was chosen, not named
+        (``--attention-impl auto``, or a name the method has no implementation of), and why (``impls.choose``)."""
+        self.__dict__["_impl_said"] = True
+        table = table_of(self.method)
+        if table is None or self.cross:  # SDPA; the cross-attentions' read-outs: one implementation each
+            return
+        impl, why = choose(self.config.attention_impl, self.q_proj.weight.device, tuple(table),
+                           compiling=self.config.attention_compile)
+        message = (f"linattn: {self.method} {'decoder' if self.causal else 'encoder'} self-attention runs {impl!r} "
+                   f"({why})")
+        if why != "asked for" and message not in _SAID:
+            _SAID.add(message)
+            logger.info(message)
+
     def _attend_call(self):
         """``attend``, compiled once per module with ``--attention-compile`` (kept out of the module's state); its
-        first training step checked against eager (``compile_check``) unless ``--attention-compile-check off``."""
+        first training step checked against eager (``compile_check``) unless ``--attention-compile-check off``. The
+        first call logs the implementation chosen (``_say_impl``)."""
+        if not self.__dict__.get("_impl_said"):
+            self._say_impl()
         if not self.config.attention_compile:
             return self.attend
         if "_compiled_attend" not in self.__dict__:

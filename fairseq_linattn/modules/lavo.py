@@ -26,6 +26,10 @@ class LAVOAttention(AttentionBase):
                                   requires_grad=not self.config.lavo_freeze_bases)
         self.pos_bias = None if cross else nn.Parameter(torch.zeros(num_heads, 2 * self.window - 1))
 
+    @classmethod
+    def impl_options(cls, config, params):
+        return {"window": config.lavo_window, "bases_dtype": params}
+
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         if self.cross:
             return self.attend_source(q, self.source_state(v, key_padding_mask))

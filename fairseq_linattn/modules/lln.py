@@ -23,6 +23,10 @@ class LLNAttention(AttentionBase):
             ema_momentum=c.lln_ema_momentum, max_scale=c.lln_max_scale, fixed_alpha=c.lln_alpha,
             fixed_beta=c.lln_beta, constants_file=c.lln_constants_file, impl=c.attention_impl)
 
+    @classmethod
+    def impl_options(cls, config, params):
+        return {"chunk": config.lln_chunk_size}
+
     def lln(self, q, k, v, key_padding_mask):
         alpha, beta = self.matcher(q, k, key_padding_mask)
         return ops.lln_attention(q, k, v, alpha, beta, causal=self.causal, key_padding_mask=key_padding_mask,

@@ -20,6 +20,10 @@ class LLNDiagAttention(LLNAttention):
         self.mix_r = nn.Parameter(torch.full(shape, 0.5)) if self.mix != "average" else None
         self.mix_p = nn.Parameter(torch.full(shape, 0.5)) if self.mix == "learnable_scale" else None
 
+    @classmethod
+    def impl_options(cls, config, params):
+        return {**super().impl_options(config, params), "block": config.lln_diag_block_size}
+
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         """One op: ``average`` fuses both parts (one output, one set of gradients), the learnable mixes mix them.
         Its blocks count each row's real tokens, padding anywhere (``linattn.ops.real_tokens``)."""

@@ -19,6 +19,10 @@ class SkyformerAttention(AttentionBase):
         self.num_landmarks, self.landmark_mode = c.skyformer_landmarks, c.skyformer_landmark_mode
         self.exact_inverse = c.skyformer_exact_inverse
 
+    @classmethod
+    def impl_options(cls, config, params):
+        return {"num_landmarks": config.skyformer_landmarks}
+
     def attend(self, q, k, v, key_padding_mask, attn_mask=None):
         return ops.skyformer_attention(q, k, v, num_landmarks=self.num_landmarks, key_padding_mask=key_padding_mask,
                                        mode=self.landmark_mode, exact_inverse=self.exact_inverse,

@@ -278,3 +278,26 @@ def test_every_trainable_parameter_gets_a_gradient(gen, method, kw):
     m(x, key, key)[0].square().sum().backward()
     unused = [name for name, p in m.named_parameters() if p.requires_grad and p.grad is None]
     assert not unused
+
+
+def test_each_module_types_chosen_implementation_is_logged_once(gen, caplog, monkeypatch):
+    """``--attention-impl auto`` (and a name a method has no implementation of) is a choice: the first forward of
+    each module type says at INFO what its op runs and why; an implementation named and run, SDPA and the
+    cross-attentions' read-outs say nothing."""
+    from fairseq_linattn.modules import base
+
+    monkeypatch.setattr(base, "_SAID", set())
+    x = torch.randn(5, 2, E, generator=gen)
+    caplog.set_level("INFO", logger=base.logger.name)
+    modules = [build_attention("lln", E, H, causal=False), build_attention("lln", E, H, causal=False),
+               build_attention("lln", E, H, causal=True), build_attention("softmax", E, H, causal=False),
+               build_attention("lln", E, H, causal=False, config={"attention_impl": "parallel"}),
+               build_attention("kernelized", E, H, causal=False, config={"attention_impl": "fused"}),
+               build_attention("lavo", E, H, causal=False, cross=True)]
+    for module in modules * 2:
+        module(x, x, x)
+    assert [r.getMessage() for r in caplog.records] == [
+        "linattn: lln encoder self-attention runs 'looped' (auto on cpu)",
+        "linattn: lln decoder self-attention runs 'looped' (auto on cpu)",
+        "linattn: kernelized encoder self-attention runs 'parallel' (asked for: the method has no 'fused' "
+        "implementation)"]

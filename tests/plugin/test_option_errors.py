@@ -1,6 +1,7 @@
 """Errors a user can act on: a bad plugin option ends a fairseq command line as argparse ends a bad choice (usage,
-one ``prog: error: ...`` line, exit 2); a fairseq without its compiled extensions says so in one line before any
-data is loaded; the self-test's env stage lists every dependency's version and fails on a missing one."""
+one ``prog: error: ...`` line, exit 2), and so does an ``--attention-impl`` the run's attention cannot take, with
+the reasons; a fairseq without its compiled extensions says so in one line before any data is loaded; the
+self-test's env stage lists every dependency's version and fails on a missing one."""
 import subprocess
 import sys
 from argparse import Namespace
@@ -12,6 +13,7 @@ from helpers import ROOT
 
 import fairseq_linattn  # noqa: F401  (registers the models, wraps parse_args_and_arch)
 from fairseq_linattn.options import AttentionOptionError, check_attention_options, missing_extension
+from linattn.ops import impls
 from linattn_tools.recipes.selftest import env
 from linattn_tools.recipes.selftest.core import Stage
 
@@ -47,6 +49,56 @@ def test_a_bad_option_ends_parsing_as_argparse_does(capsys, argv, message):
                                  "--attention-impl", "gpu")
     assert code == 2 and argparse_lines[0] == lines[0]
     assert "error: argument --attention-impl: invalid choice: 'gpu' (choose from 'auto', " in argparse_lines[-1]
+
+
+LM = ("--arch", "linattn_lm_tiny", "--task", "language_modeling")
+NO_HALF = "(float32 on cpu: no --fp16, --bf16 or --amp; --cpu): lln decoder self-attention: dtype torch.float32 not in"
+ALLOWED = "; allowed here: auto, parallel, looped"
+
+
+def test_fused_without_half_precision_ends_parsing_naming_the_reasons(capsys):
+    code, lines = parse(capsys, *LM, "--decoder-attention-type", "softmax,lln", "--attention-impl", "fused")
+    assert code == 2 and lines[0].startswith("usage: ")
+    assert lines[-1].endswith(f": error: --attention-impl fused cannot run this run's attention {NO_HALF} "
+                              f"(float16, bfloat16){ALLOWED}")
+    code, lines = parse(capsys, *LM, "--decoder-attention-type", "lln", "--attention-impl", "fused", "--fp16",
+                        "--decoder-embed-dim", "512", "--decoder-attention-heads", "2")
+    assert code == 2 and lines[-1].endswith("(float16 on cpu: --fp16; --cpu): lln decoder self-attention: head dim "
+                                            f"256 > 128 (held in registers){ALLOWED}")
+
+
+def train_args(*argv):
+    """fairseq-train's arguments for ``argv`` (parsed in this process, no data read)."""
+    return options.parse_args_and_arch(options.get_training_parser(),
+                                       ["/nonexistent/data", "--user-dir", USER_DIR, *LM, *argv])
+
+
+@pytest.mark.parametrize("argv", [("--fp16",), ("--bf16",), ("--amp",)])
+def test_fused_in_half_precision_is_accepted(argv):
+    """On the CPU under Triton's interpreter (tests/conftest.py), as the tests run the kernels; --amp gives the ops
+    float16 q, k, v (autocast's projections)."""
+    args = train_args("--cpu", "--decoder-attention-type", "lln", "--attention-impl", "fused", *argv)
+    assert args.attention_impl == "fused"
+
+
+def test_amp_keeps_the_parameters_float32_which_lavo_kernels_refuse(capsys):
+    code, lines = parse(capsys, *LM, "--decoder-attention-type", "lavo", "--attention-impl", "fused", "--amp")
+    assert code == 2 and lines[-1].endswith("(float16 on cpu: --amp: float16 projections, float32 parameters; --cpu): "
+                                            "lavo decoder self-attention: bases' dtype torch.float32 is not the "
+                                            f"queries' torch.float16{ALLOWED}")
+    assert train_args("--cpu", "--decoder-attention-type", "lavo", "--attention-impl", "fused", "--fp16")
+
+
+def test_fused_names_a_missing_triton_and_the_cpu_without_the_interpreter(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(impls, "triton_available", lambda: False)
+    code, lines = parse(capsys, *LM, "--decoder-attention-type", "lln", "--attention-impl", "fused", "--bf16")
+    assert code == 2 and lines[-1].endswith(
+        "(bfloat16 on cpu: --bf16; --cpu): lln decoder self-attention: Triton is not installed; device cpu: the "
+        f"fused kernels run on cuda (cpu only under TRITON_INTERPRET=1){ALLOWED}")
+    # a method without fused kernels runs parallel; arguments without the trainer's options are not checked here
+    assert train_args("--cpu", "--decoder-attention-type", "softmax", "--attention-impl", "fused")
+    assert check_attention_options(Namespace(decoder_attention_type="lln", attention_impl="fused"), decoder_layers=2)
 
 
 def test_from_python_a_bad_option_is_still_a_value_error():
