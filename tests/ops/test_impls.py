@@ -94,6 +94,9 @@ def test_fused_runs_where_its_kernels_take_the_call_and_is_refused_elsewhere_wit
     with auto_impl("fused"):  # auto chooses: inputs the kernels do not take run parallel
         assert implementation_for("lln", "auto", half.float()) == "parallel"
         assert implementation_for("lln", "auto", half) == "fused"
+        q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+        torch.testing.assert_close(ops.lln_attention(q, q, q, 1.0, 1.0, causal=True, impl="auto"),
+                                   ops.lln_attention(q, q, q, 1.0, 1.0, causal=True, impl="parallel"))
 
 
 def test_the_reasons_name_a_missing_triton_and_a_device_the_kernels_do_not_run_on(monkeypatch):
