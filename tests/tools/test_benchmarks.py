@@ -65,7 +65,7 @@ def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_
     assert (ROOT / "docs" / "img" / "benchmark_attention.png").read_bytes() == committed
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_attention_benchmark_isolates_each_series_with_its_own_keep_times(tmp_path):
     res, _, doc = run_script("benchmark_attention", tmp_path, "--isolate", "--methods", "softmax", "lln",
                              "--modes", "causal")
@@ -105,7 +105,7 @@ def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
         assert res["machine"]["malloc"] is None and "glibc malloc defaults" in doc.read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_model_benchmark_remeasures_one_part_and_keeps_the_others(tmp_path):
     kept = {"config": {"train_sizes": [7], "batch": 1, "attention_dropout": 0.0, "min_repeats": 1, "train_repeats": 1,
                        "warmup": 1, "train_arch": "tiny"},
@@ -255,7 +255,7 @@ def test_targets_table_compares_each_series_with_softmax_of_its_causality():
     assert "| lln_diag | 0.90× ✗ (≤0.8) `parallel` |" in text  # a parallel step is not judged by the fused floor
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_attention_benchmark_fused_in_half_names_the_implementation_each_op_ran(tmp_path):
     out = tmp_path / "a.json"
     proc = subprocess.run([sys.executable, "-m", MODULES["benchmark_attention"], "--quick", "--json", str(out),
@@ -270,7 +270,7 @@ def test_attention_benchmark_fused_in_half_names_the_implementation_each_op_ran(
     assert "lln causal: implementation fused" in proc.stdout and "TFLOP/s" in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_bench_script_quick_writes_every_point_and_the_targets_table(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--quick", "--profile", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=900, env=ENV)

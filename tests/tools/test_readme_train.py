@@ -52,7 +52,7 @@ def test_the_readme_command_trains_from_another_directory(block, from_root, tmp_
     root, _ = from_root
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    train = block[block.index("fairseq-train "):]  # the samples prepared above, given by their path
+    train = block[block.index("\nfairseq-train ") + 1:]  # the samples prepared above, given by their path
     train = train.replace("fairseq-train data-bin/", f"fairseq-train {root}/data-bin/")
     assert "prepare_samples" not in train
     proc = run(f"source {ROOT}/.venv/bin/activate\n{train}", elsewhere)
