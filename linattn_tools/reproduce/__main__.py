@@ -7,7 +7,7 @@
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from . import (
     common,
@@ -101,19 +101,23 @@ def run_groups(groups: Sequence[str], *, out: Path, quick: bool, reuse_quickstar
             common.run_group(group, command, settings, measure_quickstart, out, wall_s=wall_s)
 
 
-def render(results: Path, ledger_path: Path, check: bool, readme: Path = front_page.README) -> int:
-    """Write (``check``: compare) the ledger and the README's results section, both from the JSON alone."""
+def render(results: Path, ledger_path: Path, check: bool, readme: Optional[Path] = None) -> int:
+    """Write (``check``: compare) the ledger and the README's results section, both from the JSON alone: ``readme``,
+    else the README when ``results`` are the committed ones (a run elsewhere leaves the README alone)."""
     records = ledger.load_results(results)
-    section = front_page.section(records, *ledger.claim_counts(records), front_page.load_gpu_targets())
-    texts = {ledger_path: ledger.render(records),
-             readme: front_page.replace(readme.read_text(), section)}
+    texts = {ledger_path: ledger.render(records)}
+    if readme is None and Path(results).resolve() == common.RESULTS_DIR.resolve():
+        readme = front_page.README
+    if readme is not None:
+        section = front_page.section(records, *ledger.claim_counts(records), front_page.load_gpu_targets())
+        texts[readme] = front_page.replace(readme.read_text(), section)
     if check:
         stale = [path for path, text in texts.items() if (path.read_text() if path.is_file() else "") != text]
         for path in stale:
             print(f"{path} differs from what the JSON in {results} renders: run "
                   f"`bash scripts/reproduce.sh --render`", file=sys.stderr)
         if not stale:
-            print(f"{ledger_path} and {readme}'s results are up to date")
+            print(" and ".join(map(str, texts)) + " are up to date")
         return 1 if stale else 0
     for path, text in texts.items():
         path.write_text(text)
@@ -140,7 +144,8 @@ def main(argv: List[str] = None) -> int:
     ren = sub.add_parser("render", help="rewrite the ledger from the JSON alone (seconds)")
     ren.add_argument("--results", type=Path, default=common.RESULTS_DIR)
     ren.add_argument("--ledger", type=Path, default=common.LEDGER)
-    ren.add_argument("--readme", type=Path, default=front_page.README, help="its results section is rewritten too")
+    ren.add_argument("--readme", type=Path, help="its results section is rewritten too (default: README.md when "
+                                                  "--results is the committed docs/reproduction/)")
     ren.add_argument("--check", action="store_true", help="exit 1 if the ledger differs from what the JSON renders")
     exp = sub.add_parser("expected-time", help="print the expected wall time")
     exp.add_argument("--only", nargs="+", choices=common.GROUPS, default=list(common.GROUPS))

@@ -1,10 +1,13 @@
 """The README's results section: the committed README holds what the committed JSON renders, and every figure in it
 comes from the JSON (the quick-start's tables, the ledger's count, the GPU table)."""
 import copy
+import json
+import shutil
 
 import pytest
 
-from linattn_tools.reproduce import front_page, ledger
+from linattn_tools.reproduce import common, front_page, ledger
+from linattn_tools.reproduce.__main__ import render
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +42,20 @@ def test_readme_results_follow_the_records_and_the_gpu_file(records):
     assert "no GPU measurement" in front_page.section(records, 1, 2, None)
     with pytest.raises(ValueError, match="no results markers"):
         front_page.replace("# a README without markers\n", text)
+
+
+def test_render_from_other_results_writes_the_readme_only_when_asked(tmp_path):
+    """Results measured elsewhere (``reproduce run --out DIR``, a quick run) render their ledger; the README's
+    section changes only through ``--readme``, never the committed README by default."""
+    results = tmp_path / "results"
+    shutil.copytree(common.RESULTS_DIR, results)
+    record = json.loads((results / "quickstart.json").read_text())
+    record["results"]["encoder"]["lln"]["finetune_accuracy"] = 12.3
+    (results / "quickstart.json").write_text(json.dumps(record))
+    committed = front_page.README.read_text()
+    assert render(results, tmp_path / "ledger.md", check=False) == 0
+    assert front_page.README.read_text() == committed and (tmp_path / "ledger.md").is_file()
+    readme = tmp_path / "README.md"
+    readme.write_text(committed)
+    assert render(results, tmp_path / "ledger.md", check=False, readme=readme) == 0
+    assert "| LLN | 8.162 | 12.3 |" in readme.read_text() and "| 12.3 |" not in committed

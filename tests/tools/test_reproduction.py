@@ -294,7 +294,9 @@ def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
     cmd = ["bash", str(ROOT / "scripts" / "reproduce.sh"), "--quick", "--only", "lln_distribution",
            "skyformer_error", "skyformer_fig1", "decoding", "lln_cost", "--out", str(tmp_path), "--ledger",
            str(ledger_path)]
+    readme = (ROOT / "README.md").read_text()
     subprocess.run(cmd, check=True, cwd=ROOT)
+    assert (ROOT / "README.md").read_text() == readme  # a run into another directory leaves the README alone
     assert (tmp_path / "skyformer_fig1.png").is_file()
     for group in ("lln_distribution", "skyformer_error", "skyformer_fig1", "decoding", "lln_cost"):
         record = json.loads((tmp_path / f"{group}.json").read_text())
