@@ -7,7 +7,7 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 OUT="$ROOT/runs/gpu_bench"
 CAP=300
 QUICK=0
-IMPL=fused
+IMPL=
 TUNE=0
 PROFILE=0
 DTYPES_ARG=()
@@ -20,7 +20,7 @@ Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|paral
 
 One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward from
 an output gradient with no loss, median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag,
-LAVO causal and Skyformer with --attention-impl IMPL [fused], against the softmax module (SDPA) of the same
+LAVO causal and Skyformer with --attention-impl IMPL [fused; auto with --quick], against the softmax module (SDPA) of the same
 causality, in float16 and bfloat16, at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1);
 causal steps unpadded, non-causal ones with the last eighth of one sequence padded. One small step of every series
 per dtype first compiles the kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its
@@ -33,7 +33,7 @@ of the kernels, LLN's first, then the block softmax's, Skyformer's and LAVO's; c
 then counts, its checks included) writes DIR/tune_fused.json and DIR/tune_fused.env, and the points run with the
 settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.txt, the profiler's kernel table of
 the step at N = 4096 for LLN (both causalities), LAVO causal, Skyformer and LLN+Diag. --quick: the CPU, float32,
-N = 32 and 64, one step each (checks that the script runs). On a lent GPU: --tune 150 --profile --cap 60 takes about
+N = 32 and 64, one step each, the implementations auto picks (checks that the script runs: fused refuses float32). On a lent GPU: --tune 150 --profile --cap 60 takes about
 7 minutes.
 USAGE
       exit 0 ;;
@@ -47,6 +47,9 @@ USAGE
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ -z "$IMPL" ]; then
+  if [ "$QUICK" = 1 ]; then IMPL=auto; else IMPL=fused; fi
+fi
 if [ "$QUICK" = 1 ]; then
   DTYPES=(float32); SIZES=(32 64); EXTRA=(--device cpu --tokens-per-step 64 --warmup 1 --repeats 1)
   WARM=(--device cpu)

@@ -1,7 +1,8 @@
 """The ``speed`` stage: the targets of the fused implementation (docs/design.md §1.3.1;
 ``python -m linattn_tools.benchmark.targets``): one attention module's training step at 32K tokens a step with
 ``--attention-impl fused``, in float16 and bfloat16 (where the GPU has it), at N = 4096 and 16384, against the softmax
-module of the same causality in the same dtype (SDPA on its flash kernel), each point in a process of its own.
+module of the same causality in the same dtype (SDPA on its flash kernel), each point in a process of its own; on
+the CPU, in float32, the implementations ``auto`` picks (``fused`` refuses float32).
 
 Verdict (CUDA only): each series' time over the softmax module's within its target at that N, and its peak memory
 within ``MEMORY_LIMIT`` times the softmax module's; each row names the implementation that ran. On the CPU (float32,
@@ -21,8 +22,9 @@ def run_point(settings: Settings, dtype: str, n: int) -> Optional[dict]:
     """The targets benchmark's JSON at one (dtype, N), or None (its log says why)."""
     out = settings.stage_dir("speed")
     result = out / f"targets_{dtype}_{n}.json"
-    cmd = [sys.executable, "-m", "linattn_tools.benchmark.targets", "--n", str(n), "--dtype", dtype, "--impl",
-           "fused", "--device", settings.device, "--json", result]
+    impl = "fused" if settings.cuda else "auto"  # the kernels take half inputs on CUDA and refuse the CPU's float32
+    cmd = [sys.executable, "-m", "linattn_tools.benchmark.targets", "--n", str(n), "--dtype", dtype, "--impl", impl,
+           "--device", settings.device, "--json", result]
     if settings.quick:
         cmd += ["--tokens-per-step", str(2 * n), "--warmup", "1", "--repeats", "1"]
     code = run_logged(cmd, out / f"targets_{dtype}_{n}.log")
