@@ -34,7 +34,9 @@ from typing import Collection, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..implementations import IMPLS  # what an op's ``impl`` (and ``--attention-impl``) accepts
+# what an op's ``impl`` (and ``--attention-impl``) accepts; absolute, so that ``ops`` also loads as a package of its
+# own (dev.perf.compare_ops loads a commit's ops that way)
+from linattn.implementations import IMPLS
 
 BASE = ("parallel", "looped")  # the implementations every method has, which run every call
 _AUTO = {}  # the implementation ``auto`` resolves to on every device, set by ``auto_impl``

@@ -13,9 +13,9 @@ time to its FLOP floor (matmul FLOPs of the algorithm over a matmul rate measure
 
 One call = forward + ``torch.autograd.grad`` of the output w.r.t. q, k, v (and LAVO's bases and
 bias), fp32 by default (``--dtype``: the training dtype). ``--tokens-per-step T``: B = T // N at each N. Each
-point records the implementation its op ran (``impls.implementation_for``: ``auto``'s choice; ``fused``, named,
-stops with the reasons where its kernels cannot take the inputs), printed with SDPA's achieved TFLOP/s. Time: CUDA events on a GPU.
-Memory: see ``linattn_tools.benchmark.measure``.
+point records the implementation its op ran (``impls.implementation_for``: ``auto``'s choice; ``fused``,
+named, stops with the reasons where its kernels cannot take the inputs), printed with SDPA's achieved TFLOP/s.
+Time: CUDA events on a GPU. Memory: see ``linattn_tools.benchmark.measure``.
 """
 import argparse
 import sys
