@@ -36,7 +36,7 @@ def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section
     assert "<!-- BEGIN ops -->" in text and "time at HEAD (ms)" in text and "no op slower than at HEAD" in text
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_compare_ops_in_fresh_processes_reports_the_median_and_range_over_them(tmp_path):
     """--processes 2: each point measured by two child processes; the row is their median, with the range."""
     out, doc = tmp_path / "cmp.json", tmp_path / "benchmarks.md"
@@ -64,7 +64,7 @@ def test_compile_benchmark_renders_the_median_of_each_mode_and_their_ratio():
     assert "| LLN | 1024 | 3.20 | 2.50 | 0.78 | 4.0, 90.0 | 1 |" in text, text
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_compile_benchmark_quick_times_both_modes_in_one_graph(tmp_path):
     out = tmp_path / "compile.json"
     proc = subprocess.run([sys.executable, "-m", "dev.perf.compile", "--quick", "--json", str(out)],

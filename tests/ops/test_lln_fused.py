@@ -292,7 +292,7 @@ def test_compile_fullgraph_sees_one_custom_op(gen, causal):
     assert compiled_op_count(lambda q, k, v: run(q, k, v, "fused", causal=causal), (q, k, v), name) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype, causal):

@@ -7,8 +7,9 @@ import pytest
 import torch
 from fairseq_data import USER_DIR, make_lm_data, run
 
-# end to end: fairseq's command lines on generated data (slow: CI; extended: the other cases of a test CI runs)
-EXTENDED = pytest.mark.extended
+# end to end: fairseq's command lines on generated data; CI runs them through the quick-start, the README's
+# train command and the GPU self-test on the CPU (tests/tools)
+pytestmark = pytest.mark.extended
 
 TRAIN_COMMON = ["--user-dir", USER_DIR, "--cpu", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "6",
                 "--log-format", "json", "--log-interval", "1", "--no-progress-bar", "--seed", "1",
@@ -32,10 +33,7 @@ def train_losses(proc):
             if '"train_inner"' in line or ("| train_inner |" in line)]
 
 
-@pytest.mark.parametrize("attention", [pytest.param("lln", marks=pytest.mark.slow),
-                                       pytest.param("lavo", marks=pytest.mark.slow),
-                                       pytest.param("lln_diag", marks=EXTENDED),
-                                       pytest.param("softmax,lln", marks=EXTENDED)])
+@pytest.mark.parametrize("attention", ["lln", "lln_diag", "lavo", "softmax,lln"])
 def test_lm_trains_and_evaluates_beyond_training_length(lm_data, tmp_path, attention):
     proc = train_lm(lm_data, tmp_path, attention)
     assert (tmp_path / "checkpoint_last.pt").exists()
@@ -49,7 +47,6 @@ def test_lm_trains_and_evaluates_beyond_training_length(lm_data, tmp_path, atten
     assert 1 < ppl < 312  # finite, and better than uniform over the dictionary
 
 
-@pytest.mark.slow
 def test_lm_resumes_from_checkpoint_last(lm_data, tmp_path):
     train_lm(lm_data, tmp_path, "lln")
     proc = train_lm(lm_data, tmp_path, "lln", "--max-update", "9")
@@ -59,7 +56,6 @@ def test_lm_resumes_from_checkpoint_last(lm_data, tmp_path):
     assert state["optimizer_history"][-1]["num_updates"] == 9
 
 
-@pytest.mark.slow
 def test_roberta_masked_lm_trains_and_loads_with_from_pretrained(lm_data, tmp_path):
     run(["fairseq-train", lm_data, "--task", "masked_lm", "--criterion", "masked_lm",
          "--arch", "linattn_roberta_tiny", "--encoder-attention-type", "lln_diag", "--tokens-per-sample", "64",
@@ -81,12 +77,12 @@ print(type(m.model.encoder.sentence_encoder.layers[0].self_attn).__name__)
 
 
 @pytest.mark.parametrize("args,message", [
-    pytest.param(["--decoder-attention-type", "skyformer"], "non-causal", marks=pytest.mark.slow),
-    pytest.param(["--decoder-attention-type", "lln,lln,lln"], "3 types", marks=EXTENDED),
-    pytest.param(["--decoder-attention-type", "bogus"], "allowed: softmax", marks=EXTENDED),
-    pytest.param(["--lavo-window", "0"], "--lavo-window", marks=pytest.mark.slow),
-    pytest.param(["--lln-alpha", "2"], "--lln-beta", marks=EXTENDED),
-    pytest.param(["--lln-stats", "batch", "--decoder-attention-type", "lln"], "ema", marks=EXTENDED),
+    (["--decoder-attention-type", "skyformer"], "non-causal"),
+    (["--decoder-attention-type", "lln,lln,lln"], "3 types"),
+    (["--decoder-attention-type", "bogus"], "allowed: softmax"),
+    (["--lavo-window", "0"], "--lavo-window"),
+    (["--lln-alpha", "2"], "--lln-beta"),
+    (["--lln-stats", "batch", "--decoder-attention-type", "lln"], "ema"),
 ])
 def test_bad_options_stop_training_before_data_is_loaded(tmp_path, args, message):
     # the data directory does not exist: the error must come from option parsing, before loading
@@ -98,7 +94,6 @@ def test_bad_options_stop_training_before_data_is_loaded(tmp_path, args, message
     assert "No such file" not in proc.stderr and "FileNotFoundError" not in proc.stderr
 
 
-@pytest.mark.slow
 def test_moment_matching_values_reach_tensorboard(lm_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -117,7 +112,6 @@ def test_moment_matching_values_reach_tensorboard(lm_data, tmp_path):
     assert "lln_alpha" in valid.Tags()["scalars"]
 
 
-@pytest.mark.slow
 def test_attention_stats_interval_logs_entropy_and_spectral_gap(lm_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

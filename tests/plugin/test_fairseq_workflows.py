@@ -9,7 +9,9 @@ import torch
 from fairseq_data import USER_DIR, make_classification_data, make_lm_data, make_translation_data, run, write_corpus
 from test_fairseq_cli import TRAIN_COMMON, train_lm
 
-# end to end: fairseq's command lines on generated data (slow: CI; extended: what CI checks in another case)
+# end to end: fairseq's command lines on generated data; CI runs them through the quick-start, the README's
+# train command and the GPU self-test on the CPU (tests/tools)
+pytestmark = pytest.mark.extended
 
 TINY_ROBERTA = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
                 "--encoder-attention-heads", "2"]
@@ -24,7 +26,6 @@ def load_model_state(path):
     return torch.load(path, weights_only=False)["model"]
 
 
-@pytest.mark.slow
 def test_softmax_roberta_checkpoint_linearizes_and_fine_tunes_on_sentence_prediction(lm_data, tmp_path):
     """Stock roberta (softmax) -> linattn_roberta with LLN+Diag (learnable mix) via --finetune-from-model."""
     run(["fairseq-train", lm_data, "--task", "masked_lm", "--criterion", "masked_lm", "--arch", "roberta_base",
@@ -55,7 +56,6 @@ assert logp.shape == (1, 2) and torch.allclose(logp.exp().sum(), torch.tensor(1.
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-@pytest.mark.extended
 def test_softmax_lm_checkpoint_linearizes_into_lavo_and_lln(lm_data, tmp_path):
     train_lm(lm_data, tmp_path / "stock", "softmax")
     proc = train_lm(lm_data, tmp_path / "lin", "lavo,lln", "--finetune-from-model",
@@ -65,7 +65,6 @@ def test_softmax_lm_checkpoint_linearizes_into_lavo_and_lln(lm_data, tmp_path):
     assert "decoder.layers.0.self_attn.bases" in lin and "decoder.layers.1.self_attn.matcher.ema_var_q" in lin
 
 
-@pytest.mark.slow
 def test_lm_beam_search_and_sampling_through_fairseq_generators(lm_data, tmp_path):
     train_lm(lm_data, tmp_path, "lln,lavo")
     code = f"""
@@ -91,7 +90,6 @@ print('beams', [lm.task.source_dictionary.string(h['tokens']) for h in hyps])
          "--user-dir", USER_DIR, "--cpu", "--max-tokens", "2048", "--tokens-per-sample", "64"])
 
 
-@pytest.mark.slow
 def test_translation_with_lavo_cross_attention_trains_and_generates(tmp_path):
     data = make_translation_data(tmp_path / "mt")
     run(["fairseq-train", data, "--task", "translation", "--arch", "linattn_transformer_tiny",
@@ -105,8 +103,7 @@ def test_translation_with_lavo_cross_attention_trains_and_generates(tmp_path):
     assert len(hyps) == translated >= 45  # every valid sentence the length filter kept got a hypothesis
 
 
-@pytest.mark.parametrize("extra", [pytest.param(["--checkpoint-activations"], marks=pytest.mark.extended),
-                                   pytest.param(["--bf16"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("extra", [["--checkpoint-activations"], ["--bf16"]])
 def test_lm_trains_with_activation_checkpointing_and_bf16(lm_data, tmp_path, extra):
     proc = train_lm(lm_data, tmp_path, "lln,lln_diag", *extra)
     log = proc.stdout + proc.stderr
@@ -116,7 +113,6 @@ def test_lm_trains_with_activation_checkpointing_and_bf16(lm_data, tmp_path, ext
     assert all(torch.isfinite(t.float()).all() for t in state.values())
 
 
-@pytest.mark.slow
 def test_cpu_ddp_two_ranks_equal_one_process_on_the_same_global_batch(lm_data, tmp_path):
     # fixed alpha/beta: batch statistics (and EMA folds) are per micro-batch, so they differ legitimately
     # between 2 ranks x 1 micro-batch and 1 process x 2 micro-batches
@@ -227,7 +223,6 @@ def check_ddp_equals_one_process(records, logs, states):
         torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
 
 
-@pytest.mark.extended
 def test_cpu_ddp_statistics_fold_like_one_process_on_the_global_batch(tmp_path):
     """--lln-stats ema under 2 gloo ranks x 4 sequences: each update folds the statistics of all 8 (one
     all-reduce), so alpha, beta, losses and parameters equal a 1-process run with batches of 8. (``batch``
@@ -239,7 +234,6 @@ def test_cpu_ddp_statistics_fold_like_one_process_on_the_global_batch(tmp_path):
     check_ddp_equals_one_process(records, logs, states)
 
 
-@pytest.mark.extended
 def test_cpu_ddp_statistics_leave_out_a_ranks_dummy_batch(tmp_path):
     """A rank without data runs fairseq's dummy batch (a copy of a real one, ignore_grad=True): metrics_hook
     runs it inside statistics_left_out(), so it adds nothing to the update's all-reduced statistics."""

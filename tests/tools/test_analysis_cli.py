@@ -62,7 +62,7 @@ def test_synthetic_mode_reproduces_prop_3_1_and_moment_matching(tmp_path):
                                                          "synthetic_log_p_hist.png", "synthetic_concentration.png")]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_checkpoint_mode_measures_every_layer_and_head(trained, tmp_path):
     checkpoint, data = trained
     assert main([str(checkpoint), "--data", str(data), "--out", str(tmp_path), "--batches", "2",
@@ -111,7 +111,7 @@ def stock_checkpoint(path, data):
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_bad_input_gives_one_clear_line_and_exit_code_2(trained, tmp_path, capsys):
     checkpoint, data = trained
     stock = stock_checkpoint(tmp_path / "stock.pt", data)

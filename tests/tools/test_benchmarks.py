@@ -35,7 +35,7 @@ def all_ok(points):
     return {name: [r["status"] for r in rows if r["status"] != "ok"] for name, rows in points.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_attention_benchmark_quick_measures_every_op_and_writes_its_outputs(tmp_path):
     res, plot, doc = run_script("benchmark_attention", tmp_path)
     expected = {"softmax", "lln", "lln_diag", "block_softmax", "lavo", "skyformer", "kernelized",
@@ -86,7 +86,7 @@ def test_child_argv_drops_options_with_all_their_values():
         ["--sizes", "64", "128", "--quick", "--fit-range", "4", "8"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_model_benchmark_quick_trains_and_decodes_every_method(tmp_path):
     res, plot, doc = run_script("benchmark_model", tmp_path)
     assert set(res["train"]["points"]) == {"softmax", "lln", "lln_diag", "skyformer", "lavo"}

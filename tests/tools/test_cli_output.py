@@ -59,7 +59,7 @@ def test_a_logging_set_up_made_before_the_import_is_kept(tmp_path):
     assert "INFO an info line" in proc.stdout and "a debug line" not in proc.stdout
 
 
-@pytest.mark.slow  # ~20 s: SentencePiece training and fairseq-preprocess
+@pytest.mark.extended  # ~20 s: SentencePiece training and fairseq-preprocess
 def test_prepare_command_prints_its_progress_and_no_debug_lines_or_tensorboardx_notice(tmp_path):
     proc = python(["-m", "linattn_tools.recipes.prepare_pg19", "--source", str(ROOT / "data" / "pg19_sample"),
                    "--out", str(tmp_path / "pg19"), "--bpe", "sentencepiece", "--sp-vocab-size", "500",

@@ -138,7 +138,7 @@ def launcher(tmp_path: Path, fail: bool):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-@pytest.mark.slow  # ~10 s: the launcher process imports fairseq
+@pytest.mark.extended  # ~10 s: the launcher process imports fairseq
 def test_launcher_command_exits_with_the_failed_rank_status(tmp_path):
     t0 = time.monotonic()
     proc = launcher(tmp_path, fail=True)
@@ -149,7 +149,7 @@ def test_launcher_command_exits_with_the_failed_rank_status(tmp_path):
     assert wait_gone(int((tmp_path / "rank0.pid").read_text()))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupting_the_launcher_stops_every_rank(tmp_path, sig):
     proc = launcher(tmp_path, fail=False)

@@ -110,7 +110,7 @@ def tiny_gpt2_files(directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_glue_mnli_from_hub_shaped_parquet_gives_fairseq_layout_with_gpt2_bpe(tmp_path):
     import datasets
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder

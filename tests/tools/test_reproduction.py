@@ -288,7 +288,7 @@ def test_help_prints_the_expected_wall_time():
     assert "expected wall time about" in out.stdout and "as the committed run took" in out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_reproduce_runs_end_to_end_in_quick_mode(tmp_path):
     ledger_path = tmp_path / "ledger.md"
     cmd = ["bash", str(ROOT / "scripts" / "reproduce.sh"), "--quick", "--only", "lln_distribution",

@@ -225,7 +225,7 @@ def test_compile_fullgraph_sees_one_custom_op(gen):
     assert compiled_op_count(fn, (q, k, v), "lavo") == 1
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype, causal):

@@ -220,7 +220,7 @@ def test_compile_fullgraph_sees_one_custom_op(gen):
     assert compiled_op_count(lambda q, k, v: run(q, k, v, "fused"), (q, k, v), "nystrom_apply") == 1
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype):
     q, k, v = inputs(gen, DTYPES[dtype], 300, d=64, dv=64)
