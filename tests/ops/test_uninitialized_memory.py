@@ -36,8 +36,8 @@ def test_new_buffers_hold_nan_when_the_fill_is_on(request):
 def run_filled(tests, deselect: str):
     """pytest on ``tests`` (paths under tests/) with ``--fill-uninitialized``, the switch's own check first."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--fill-uninitialized",
-           "-m", "not slow and not extended", "-k", deselect, f"{__file__}::test_new_buffers_hold_nan_when_the_fill_is_on",
-           *(str(ROOT / "tests" / f) for f in tests)]
+           "-m", "not slow and not extended", "-k", deselect,
+           f"{__file__}::test_new_buffers_hold_nan_when_the_fill_is_on", *(str(ROOT / "tests" / f) for f in tests)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
