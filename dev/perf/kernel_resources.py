@@ -10,6 +10,14 @@ the Triton installed (its bundled ptxas and cuobjdump), at ``LAUNCH``'s settings
     python -m dev.perf.kernel_resources --configs fp16:64 --set '{"lln_causal_grads": {"num_warps": 4}}'
     python -m dev.perf.kernel_resources --configs fp16:64 --markdown-against earlier.json
 
+Each kernel is specialised as Triton's JIT specialises its real launch: its pointers 16-byte aligned and its integer
+arguments divisible by 16 marked ``tt.divisibility = 16`` (``attrs``), its integers equal to 1 made constants, as
+``dev.perf.launches`` recorded them from the training step's own launches at (B, N, H, D) = (16, 2048, 12, 64) and
+(16, 2048, 6, 128) (``SPECIALISATION``, the least specialised of a kernel's launches with its build's constexprs; a
+kernel the recorded steps do not launch: its pointers only). ``--no-hints`` builds without (registers and spills
+then pessimistic: offsets whose alignment the compiler cannot prove are loaded element by element).
+Each row also has the blocks an SM holds (``blocks_per_sm``) and its occupancy (warps resident / 64).
+
 A thread has at most 255 registers; what does not fit is spilled to local memory, which lives in L1/L2/HBM: a
 spilling kernel turns its register tiles into memory traffic. On the H100 (Triton 3.6) the launch setting that
 moved an op's time by 3x (the non-causal ``_state_grad`` at 4 warps against 8) is the switch between spilling (264
@@ -17,6 +25,7 @@ bytes) and not.
 """
 import argparse
 import collections
+import functools
 import inspect
 import json
 import multiprocessing
@@ -33,6 +42,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dev.perf.launches import SPECIALISATION, function
 from linattn.ops.triton import (
     block_softmax,
     lavo,
@@ -53,6 +63,11 @@ from linattn_tools.benchmark.cli import write_json
 
 HALF = {"fp16": tl.float16, "bf16": tl.bfloat16}
 SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100/H200 (sm_90), A100 (sm_80)
+# an SM's limits (registers, shared memory KiB, threads, blocks) and the shared memory reserved per block (KiB)
+SM_LIMITS = {90: dict(registers=65536, shared_kib=228, threads=2048, blocks=32, reserved_kib=1),
+             80: dict(registers=65536, shared_kib=164, threads=2048, blocks=32, reserved_kib=1)}
+MATCHED = ("CAUSAL", "ORDERED", "KEYS")  # the constexprs that tell a kernel's recorded launches apart (``specialised``)
+REGISTER_GRANULE = 256  # registers are allocated to a warp in units of 256 (8 a thread)
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr", "half_ptr")
@@ -109,17 +124,56 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]
 
 
-def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict] = None, arch: int = 90):
+def build(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict] = None, arch: int = 90,
+          hints: bool = True):
     """``kernel`` compiled for sm_``arch`` (90: H100) at head size d = Dv, its half pointers ``half`` ("fp16" or
-    "bf16"), at ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's); returns (Triton's compiled
-    kernel, the settings used)."""
-    types, consts, options, settings = _compile_args(kernel, key, consts, half, d, change)
-    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                          options=options), settings
+    "bf16"), at ``launch(key, d)`` updated by ``change`` (its TF32, if any, as LAUNCH's), specialised as its launches
+    are (``hints``: ``specialised``); returns (Triton's compiled kernel, the settings used)."""
+    types, consts, options, settings, attrs = _compile_args(kernel, key, consts, half, d, change, hints)
+    return triton.compile(ASTSource(fn=kernel, signature=types, constexprs=consts, attrs=_attrs(types, attrs)),
+                          target=GPUTarget("cuda", arch, 32), options=options), settings
 
 
-def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict]):
-    """``build``'s (signature, constexprs, options, settings): what Triton compiles."""
+def _attrs(types: dict, divisible: List[str]):
+    """Triton's ``attrs`` for the arguments named in ``divisible`` (``tt.divisibility = 16``): from Triton 3.3 on
+    (3.6 and 3.9 alike) a dict of argument paths to the backend's parsed attributes (what ``JITFunction._pack_args``
+    passes); before, an ``AttrsDescriptor``."""
+    names = list(types)
+    try:
+        from triton.backends.compiler import BaseBackend
+        return {(names.index(p),): BaseBackend.parse_attr("D") for p in divisible}
+    except AttributeError:  # Triton 3.0-3.2
+        from triton.backends.compiler import AttrsDescriptor
+        return AttrsDescriptor.from_dict({"arg_properties": {"tt.divisibility": [names.index(p) for p in divisible]}})
+
+
+@functools.lru_cache(maxsize=1)
+def _recorded() -> dict:
+    return json.loads(SPECIALISATION.read_text())["kernels"] if SPECIALISATION.exists() else {}
+
+
+def specialised(kernel, consts: dict, d: int, types: dict) -> Tuple[str, List[str], dict]:
+    """(how, the arguments divisible by 16, the arguments made constants) of ``kernel`` built with ``consts`` at head
+    size d, as the JIT specialises its recorded launches (``SPECIALISATION``) of the same ``MATCHED`` constexprs
+    (causality, order, keys or queries; the others, the interpreter's among them, do not change an argument's
+    specialisation): an argument is divisible, or a constant, only where it is so in every one
+    of them. how: "launch"; "pointers" where none was recorded (each pointer taken as aligned, as the caching
+    allocator's blocks and the layouts' views at multiples of 16 bytes are)."""
+    table = _recorded().get(str(d)) or _recorded().get("64", {})
+    recorded = table.get(function(kernel.fn), [])
+    launches = [e for e in recorded if all(consts.get(k, v) == v for k, v in e["constexprs"].items() if k in MATCHED)]
+    if not launches:
+        return "pointers", [p for p, t in types.items() if t.startswith("*")], {}
+    divisible = [p for p in types if types[p] != "constexpr" and all(e["spec"].get(p) == "D" for e in launches)]
+    first = launches[0]["spec"]
+    constants = {p: first[p]["constant"] for p in types if types[p] != "constexpr" and isinstance(first.get(p), dict)
+                 and all(e["spec"].get(p) == first[p] for e in launches)}
+    return "launch", divisible, constants
+
+
+def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Optional[dict], hints: bool = True):
+    """``build``'s (signature, constexprs, options, settings, the arguments divisible by 16): what Triton
+    compiles."""
     change = dict(change or {})
     if "TF32" in change:  # as LAUNCH writes it: the kernel's WIDE
         change["WIDE"] = TF32_SETTINGS[change.pop("TF32")]
@@ -132,16 +186,22 @@ def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Opt
              "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")
              for p in params}
     options = {k: settings[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in settings}
-    return types, consts, options, settings
+    divisible = []
+    if hints:
+        _, divisible, constants = specialised(kernel, consts, d, types)
+        types.update({p: "constexpr" for p in constants})
+        consts.update(constants)
+    return types, consts, options, settings, divisible
 
 
-def _same_binary(job: Tuple[str, int, int, dict, int]) -> tuple:
+def _same_binary(job: Tuple[str, int, int, dict, int, bool]) -> tuple:
     """What decides a ``table`` job's binary: two jobs alike here compile to the same (a kernel that reads no half
     tensor and no head size, as Skyformer's M^-1, is one binary at every dtype and D)."""
-    half, d, index, change, arch = job
+    half, d, index, change, arch, hints = job
     kernel, key, consts = kernels(HALF[half])[index]
-    types, consts, options, _ = _compile_args(kernel, key, consts, half, d, change)
-    return key, index, arch, *(tuple(sorted((k, str(v)) for k, v in x.items())) for x in (types, consts, options))
+    types, consts, options, _, divisible = _compile_args(kernel, key, consts, half, d, change, hints)
+    return key, index, arch, tuple(divisible), *(tuple(sorted((k, str(v)) for k, v in x.items()))
+                                                for x in (types, consts, options))
 
 
 def resources(compiled) -> Dict[str, int]:
@@ -160,10 +220,27 @@ def resources(compiled) -> Dict[str, int]:
     opcodes = re.findall(SASS_OPCODE, sass)
     ops = collections.Counter(m.split(".")[0] for m in opcodes)
     local = [m for m in opcodes if m.split(".")[0] in ("STL", "LDL")]
+    warps = compiled.metadata.num_warps
     return dict(registers=int(found["REG"]), spill_bytes=int(found["STACK"]), shared_bytes=compiled.metadata.shared,
                 tensor_core=ops["HGMMA"] + ops["HMMA"], ffma=ops["FFMA"], local_stores=ops["STL"],
                 local_loads=ops["LDL"], local_bytes=sum(_width(m) for m in local), instructions=sum(ops.values()),
+                tensor_flops=tensor_flops(sass, warps),
+                divisibility_hints=compiled.asm["ttir"].count("tt.divisibility = 16"),  # arguments marked in its TTIR
                 replicated_dots=replicated_dots(compiled.asm["ttgir"]))
+
+
+HMMA_SHAPES = {"16816": (16, 8, 16), "1688": (16, 8, 8), "16832": (16, 8, 32), "884": (8, 8, 4)}
+
+
+def tensor_flops(sass: str, num_warps: int) -> int:
+    """FLOPs a program's tensor-core instructions do, each run once (a loop's body once): an HGMMA M x N x K is a
+    warpgroup's (num_warps / 4 of them), an HMMA (16816: m16 n8 k16) a warp's; 2 FLOPs a multiply-add."""
+    flops = sum(2 * int(m) * int(n) * int(k) for m, n, k in re.findall(r"\bHGMMA\.(\d+)x(\d+)x(\d+)", sass))
+    flops *= max(1, num_warps // 4)
+    for shape in re.findall(r"\bHMMA\.(\d+)", sass):
+        m, n, k = HMMA_SHAPES.get(shape, (0, 0, 0))
+        flops += 2 * m * n * k * num_warps
+    return flops
 
 
 def replicated_dots(ttgir: str) -> int:
@@ -192,21 +269,21 @@ def _width(opcode: str) -> int:
 
 
 def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], overrides: Optional[dict] = None,
-          only: Optional[List[str]] = None, arch: int = 90, jobs: int = 1) -> List[dict]:
+          only: Optional[List[str]] = None, arch: int = 90, jobs: int = 1, hints: bool = True) -> List[dict]:
     """One row per kernel build for each (half dtype, D = Dv) of ``configs``: at LAUNCH's settings (updated by
     ``overrides`` {key: settings}), and at the configurations of ``variants_at`` each kernel's tuning alternatives
     (tf32, tf32x3, exact fp32 products, walks split over value columns) as well, where the kernel has the setting;
     the kernels named in ``only`` (LAUNCH keys), or all; built for sm_``arch`` by ``jobs`` processes (a build is one
     core's work: Triton's passes, then ptxas), the rows in that order; builds that compile to the same binary
-    (``_same_binary``) built once."""
-    builds = []  # (half, d, the kernel's index in kernels(), change, arch): what _row builds
+    (``_same_binary``) built once; specialised as their launches (``hints``) or not."""
+    builds = []  # (half, d, the kernel's index in kernels(), change, arch, hints): what _row builds
     for half, d in configs:
         for index, (_, key, _) in enumerate(kernels(HALF[half])):
             if only and key not in only:
                 continue
             base = (overrides or {}).get(key, {})
             own = launch(key, d)
-            builds += [(half, d, index, change, arch) for change in [base] + [
+            builds += [(half, d, index, change, arch, hints) for change in [base] + [
                 {**base, setting: value} for setting, value in VARIANTS
                 if (half, d) in variants_at and setting in own and own[setting] != value]]
     binaries = [_same_binary(job) for job in builds]
@@ -221,15 +298,32 @@ def table(configs: List[Tuple[str, int]], variants_at: List[Tuple[str, int]], ov
     return [{**built[binary], "dtype": job[0], "d": job[1], "change": job[3]} for job, binary in zip(builds, binaries)]
 
 
-def _row(job: Tuple[str, int, int, dict, int]) -> dict:
-    """The row of one build of ``table``'s (half, d, the kernel's index, change, arch), printed as it is done."""
-    half, d, index, change, arch = job
+def _row(job: Tuple[str, int, int, dict, int, bool]) -> dict:
+    """The row of one build of ``table``'s (half, d, the kernel's index, change, arch, hints), printed as it is
+    done."""
+    half, d, index, change, arch, hints = job
     kernel, key, consts = kernels(HALF[half])[index]
-    compiled, settings = build(kernel, key, consts, half, d, change, arch)
+    compiled, settings = build(kernel, key, consts, half, d, change, arch, hints)
+    types = _compile_args(kernel, key, consts, half, d, change, False)[0]
     row = dict(arch=arch, dtype=half, d=d, kernel=key, causal=consts.get("CAUSAL"), change=change,
-               num_warps=settings["num_warps"], **resources(compiled))
+               num_warps=settings["num_warps"], function=function(kernel.fn),
+               hints=specialised(kernel, consts, d, types)[0] if hints else "none", **resources(compiled))
+    row.update(occupancy(row["registers"], row["num_warps"], row["shared_bytes"], arch))
     print(_line(row), flush=True)
     return row
+
+
+def occupancy(registers: int, num_warps: int, shared_bytes: int, arch: int = 90) -> Dict[str, float]:
+    """Blocks of ``num_warps`` warps, ``registers`` a thread and ``shared_bytes`` a block that one SM of sm_``arch``
+    holds at once (registers allocated a warp in granules of ``REGISTER_GRANULE``, each block's shared memory plus
+    the reserved KiB, the SM's threads and blocks), and the occupancy: warps resident over the SM's 64."""
+    limits = SM_LIMITS[arch]
+    per_warp = -(-registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    by_registers = limits["registers"] // per_warp // num_warps
+    by_shared = limits["shared_kib"] * 1024 // (shared_bytes + limits["reserved_kib"] * 1024)
+    by_threads = limits["threads"] // (num_warps * 32)
+    blocks = min(by_registers, by_shared, by_threads, limits["blocks"])
+    return dict(blocks_per_sm=blocks, occupancy=blocks * num_warps * 32 / limits["threads"])
 
 
 def name(row: dict) -> str:
@@ -243,7 +337,8 @@ def _line(row: dict) -> str:
             f" regs {row['registers']:>3} spill {row['spill_bytes']:>5} B shared {row['shared_bytes'] // 1024:>3} KiB"
             f" | mma {row['tensor_core']:>4} ffma {row['ffma']:>5} stl {row['local_stores']:>4}"
             f" ldl {row['local_loads']:>4} ({row['local_bytes']:>5} B) of {row['instructions']}"
-            f" | replicated dots {row['replicated_dots']}{over}")
+            f" | replicated dots {row['replicated_dots']} | {row['blocks_per_sm']} blocks/SM"
+            f" ({row['occupancy']:.0%}) hints {row['hints']}{over}")
 
 
 COMPARED = ("registers", "spill_bytes", "local_bytes", "ffma", "tensor_core")  # ``markdown_against``'s columns
@@ -289,10 +384,12 @@ def main(argv=None) -> None:
     parser.add_argument("--arch", type=int, choices=sorted(SHARED_KIB), default=90, help="sm_ARCH: 90 H100, 80 A100")
     parser.add_argument("--jobs", type=_jobs, default=len(os.sched_getaffinity(0)),
                         help="builds at once, one a process (default: this process's cores)")
+    parser.add_argument("--no-hints", action="store_true",
+                        help="build without the launches' specialisation (no tt.divisibility, no constants)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown-against", help="then print a markdown table of this earlier run's JSON -> this one")
     args = parser.parse_args(argv)
-    rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch, args.jobs)
+    rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch, args.jobs, not args.no_hints)
     spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
     beyond = [f"{row['dtype']}:{row['d']} {name(row)}" for row in spilling
               if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)]
@@ -300,7 +397,8 @@ def main(argv=None) -> None:
         f"; at D = 64 beyond RESIDUAL_SPILL_BYTES: {', '.join(beyond) or 'none'}" if args.arch == 90 else ""))
     if args.json:
         target = {90: "sm_90 (H100)", 80: "sm_80 (A100)"}[args.arch]
-        write_json(Path(args.json), dict(target=target, triton=triton.__version__, rows=rows))
+        write_json(Path(args.json), dict(target=target, triton=triton.__version__, hints=not args.no_hints,
+                                         rows=rows))
     if args.markdown_against:
         now = dict(triton=triton.__version__, rows=rows)
         print(markdown_against(json.loads(Path(args.markdown_against).read_text()), now))

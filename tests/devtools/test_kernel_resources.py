@@ -61,9 +61,23 @@ def test_builds_in_several_processes_give_one_process_s_rows_in_order(tmp_path, 
     one, two = (resources(sys.executable, tmp_path, *args, "--jobs", jobs) for jobs in ("1", "2"))
     assert one == two and [row["kernel"] for row in one] == ["lln_key_max", "lln_token_moments", "lln_moment_fold"] * 2
     assert [row["dtype"] for row in one] == ["fp16"] * 3 + ["bf16"] * 3
+    # each specialised as its recorded launches (its TTIR's arguments marked divisible by 16), blocks an SM reported
+    assert all(row["hints"] == "launch" and row["divisibility_hints"] > 0 and row["blocks_per_sm"] >= 1 for row in one)
     with pytest.raises(SystemExit):
         main(["--jobs", "0"])
     assert "argument --jobs: '0': expected a whole number of processes, 1 or more" in capsys.readouterr().err
+
+
+@pytest.mark.extended  # two sm_90 builds
+def test_the_launches_specialisation_takes_registers_off(tmp_path):
+    """The causal ``_outputs`` built as its launches are specialised (pointers aligned, N, D, the head stride and
+    B*H divisible by 16) holds fewer registers than built without (``--no-hints``: 233 -> 156 with Triton 3.9), whose
+    TTIR marks no argument."""
+    args = ("--configs", "fp16:64", "--kernels", "lln_causal_outputs")
+    [hinted] = resources(sys.executable, tmp_path, *args)
+    [plain] = resources(sys.executable, tmp_path, *args, "--no-hints")
+    assert plain["hints"] == "none" and plain["divisibility_hints"] == 0 < hinted["divisibility_hints"]
+    assert hinted["registers"] < plain["registers"] - 32
 
 
 @pytest.mark.extended  # ~13 min on 2 cores; CI builds sm_90 kernels with this venv's Triton in the tests above
