@@ -17,6 +17,7 @@ from linattn_tools.benchmark import measure
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+@pytest.mark.extended  # ~12 s: a commit's ops checked out and timed; a developer's tool
 def test_compare_ops_times_a_commits_ops_against_the_tree_and_writes_its_section(tmp_path):
     """python -m dev.perf.compare_ops against HEAD's own ops: every case measured on both sides,
     the section written."""

@@ -73,7 +73,13 @@ GRID_OPS = {  # ops whose parallel form pads the length to a grid of 4 (chunks, 
 }
 
 
-@pytest.mark.parametrize("name", list(GRID_OPS))
+# LLN+Diag's causal form pads to the chunks and the blocks (causal LLN's and the block softmax's pads), LAVO's to its
+# windows: those two in the default tier, the other four (seconds of tracing each) in the extended tier
+DEFAULT_GRID_OPS = ("lln_diag causal", "lavo causal")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_GRID_OPS else pytest.param(n, marks=pytest.mark.extended)
+                                  for n in GRID_OPS])
 def test_lengths_on_and_off_the_grid_share_one_graph(name, gen):
     """The chunked, blocked and windowed forms pad N to a multiple of their size (4 here); compiled, that pad is
     traced even when it is 0 rows (``batched.chunks``), and the output sliced back from the padded rows is copied

@@ -1,6 +1,6 @@
 """--attention-compile: a module whose op call runs under torch.compile gives the eager module's outputs and
 gradients, in one graph, and its first-step check (fairseq_linattn/modules/compile_check.py) passes for real
-(slow: each compile takes minutes on this CPU). The modules and the step are the GPU self-test's
+(the extended tier: each compile takes minutes on this CPU). The modules and the step are the GPU self-test's
 (``linattn_tools.recipes.selftest.compiled``), checked here with their own assertions."""
 import json
 import os
@@ -14,12 +14,14 @@ from torch._dynamo.utils import counters
 
 from linattn_tools.recipes.selftest.compiled import build_pair, training_step
 
-EXTENDED = pytest.mark.extended  # minutes a compile on 2 cores: CI compiles causal LLN, the extended tier the rest
+# minutes a compile on 2 cores: the extended tier. CI compiles causal LLN once, in the self-test's compile stage (the
+# slow tier's tests/tools/test_gpu_selftest.py: these modules and this step, compiled against eager, one graph); the
+# first-step check's logic is tested without compiling in tests/plugin/test_compile_check.py
+EXTENDED = pytest.mark.extended
 
 
-@pytest.mark.parametrize("method,causal", [
-    pytest.param("lln", True, marks=pytest.mark.slow), *(pytest.param(*case, marks=EXTENDED) for case in (
-        ("lln", False), ("lln_diag", True), ("lavo", True), ("skyformer", False), ("kernelized", False)))])
+@pytest.mark.parametrize("method,causal", [pytest.param(*case, marks=EXTENDED) for case in (
+    ("lln", True), ("lln", False), ("lln_diag", True), ("lavo", True), ("skyformer", False), ("kernelized", False))])
 def test_compiled_module_step_equals_eager(gen, caplog, method, causal):
     """A training step as fairseq's trainer runs it (moment folds deferred): no graph break (the matcher's
     switches and Skyformer's landmark draw once broke it), the eager step's values (Inductor draws Skyformer's

@@ -36,6 +36,7 @@ def test_importing_the_plugin_keeps_warnings_and_drops_debug_lines_and_the_tenso
     assert "tensorboardX" not in out, out
 
 
+@pytest.mark.extended  # ~11 s: fairseq-train's import; the plugin's import without the notice is checked above
 def test_fairseq_commands_print_no_tensorboardx_notice(tmp_path):
     """fairseq-train (and every fairseq command) sets INFO logging and imports its tasks before it loads the plugin;
     its text_to_speech task then said "Please install tensorboardX" whenever tensorboardX was missing, although
