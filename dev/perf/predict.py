@@ -214,7 +214,7 @@ def markdown(calibration: List[dict], predictions: List[dict]) -> str:
     then = {(c["method"], c["causal"], c["n"]): c for c in calibration}
     lines = ["| series | N | measured at 3a9230f (impl) | predicted at 3a9230f (error) | predicted now | now / softmax"
              " | target |", "|---|---|---|---|---|---|---|"]
-    for p in predictions:
+    for p in sorted(predictions, key=lambda p: (p["method"], p["causal"], p["n"])):
         c = then.get((p["method"], p["causal"], p["n"]))
         got = f"{p['measured_then_s'] * 1e3:.1f} ms (`{p['impl_then']}`)" if p["measured_then_s"] else "–"
         fit = f"{c['predicted_s'] * 1e3:.1f} ms ({c['error']:+.0%})" if c else "–"
