@@ -66,7 +66,7 @@ SHARED_KIB = {90: 227, 80: 163}  # the shared memory a block may opt in to: H100
 # an SM's limits (registers, shared memory KiB, threads, blocks) and the shared memory reserved per block (KiB)
 SM_LIMITS = {90: dict(registers=65536, shared_kib=228, threads=2048, blocks=32, reserved_kib=1),
              80: dict(registers=65536, shared_kib=164, threads=2048, blocks=32, reserved_kib=1)}
-MATCHED = ("CAUSAL", "ORDERED", "KEYS")  # the constexprs that tell a kernel's recorded launches apart (``specialised``)
+MATCHED = ("CAUSAL", "ORDERED", "KEYS", "ENDS")  # what tells a kernel's recorded launches apart (``specialised``)
 REGISTER_GRANULE = 256  # registers are allocated to a warp in units of 256 (8 a thread)
 SASS_OPCODE = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)"  # an instruction's opcode, after its predicate
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",

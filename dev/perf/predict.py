@@ -36,8 +36,19 @@ OCCUPANCY_SATURATION = 0.25  # warps resident over 64 from which an SM's memory 
 LOSS_S = 0.69e-3  # the loss the measured steps took and the current step does not (its byte floor, docs)
 THEN = "3a9230f"
 FITTED = (("lln", True),)  # the measured series the two factors are fitted to (the non-causal: above)
-# the kernels that walk a loop serially in each program, and the argument giving its trip count
-WALKS = {"linattn.ops.triton.lln_causal._states": "NC", "linattn.ops.triton.lln_causal_backward._grad_states": "NC"}
+# the kernels that walk the chunks serially in each program
+WALKS = ("linattn.ops.triton.lln_causal._states", "linattn.ops.triton.lln_causal_backward._grad_states")
+
+
+def walk_trips(call: dict) -> int:
+    """The serial steps of a ``WALKS`` launch: NC chunks; walked in segments of SEG chunks (``common.walk_grid``),
+    SEG (the ends) or a step a segment before its own and SEG."""
+    if call["function"] not in WALKS:
+        return 0
+    args = {k: a.get("value") for k, a in call["args"].items()}
+    if not args.get("SEG"):
+        return args["NC"]
+    return args["SEG"] if call["constexprs"].get("ENDS") else -(-args["NC"] // args["SEG"]) - 1 + args["SEG"]
 
 
 def summarise(call: dict) -> dict:
@@ -49,10 +60,9 @@ def summarise(call: dict) -> dict:
         if t and (t["ptr"], tuple(t["shape"])) not in seen:
             seen.add((t["ptr"], tuple(t["shape"])))
             nbytes += math.prod(t["shape"]) * t["itemsize"]
-    walk = WALKS.get(call["function"])
     return dict(function=call["function"], grid=call["grid"], programs=math.prod(call["grid"]),
                 num_warps=call["options"].get("num_warps", 4), bytes=nbytes,
-                trips=call["args"][walk]["value"] if walk else 0, causal=call["constexprs"].get("CAUSAL"))
+                trips=walk_trips(call), causal=call["constexprs"].get("CAUSAL"))
 
 
 def kernel_time(launch: dict, row: dict, eta: float, t_iter: float, gpu: dict = H100) -> dict:

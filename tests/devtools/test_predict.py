@@ -113,3 +113,16 @@ def test_the_predicted_table_covers_every_measured_row():
         for k in p["kernels"]:
             assert {"function", "grid", "bytes", "tensor_flops", "fp32_flops", "spill_bytes", "blocks_per_sm",
                     "waves", "occupancy", "time_s"} <= set(k)
+
+
+def test_a_walk_s_serial_steps():
+    """A walk over NC = 512 chunks: all of them in one program; in segments of 32, a step a segment before its own
+    and its 32 chunks (47), or the 32 of a segment's end; any other kernel none."""
+    from dev.perf.predict import walk_trips
+
+    def call(function="linattn.ops.triton.lln_causal._states", ends=None, **args):
+        return dict(function=function, constexprs={"ENDS": ends}, args={k: {"value": v} for k, v in args.items()})
+    assert walk_trips(call(NC=512)) == 512
+    assert walk_trips(call(NC=512, SEG=32, ends=False)) == 47
+    assert walk_trips(call(NC=512, SEG=32, ends=True)) == 32
+    assert walk_trips(call("linattn.ops.triton.lln_causal._outputs", NC=512)) == 0
