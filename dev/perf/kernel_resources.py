@@ -101,10 +101,12 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
     lavo_kernels = [(lavo._local, "lavo_local"), (lavo._memory, "lavo_memory"),
                     (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._local_grad, "lavo_local_grad")]
     return [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
-            (lln_causal._states, "lln_causal_states", dict(BC=64, **common)),
+            (lln_causal._states, "lln_causal_ends", dict(BC=64, ENDS=True, **common)),  # the walk's segments' ends
+            (lln_causal._states, "lln_causal_states", dict(BC=64, ENDS=False, **common)),
             (lln_causal._outputs, "lln_causal_outputs", dict(BC=64, AVERAGED=False, **common)),  # LLN's; LLN+Diag's
             # (AVERAGED: an fp32 out and its half copy) is the same code and one store more
-            (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64)),
+            (lln_causal_backward._grad_states, "lln_causal_grad_ends", dict(BC=64, ENDS=True)),
+            (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64, ENDS=False)),
             (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, V_AT_QK=True, **common)),
             (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
             (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS, AVERAGED=False)),

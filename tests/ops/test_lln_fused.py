@@ -85,6 +85,68 @@ def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, si
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_causal_fused_walks_in_segments_match_the_reference(gen, monkeypatch, dtype, side):
+    """The walks over the chunks in segments (``common.walk_grid``: each segment's end from a zero state, then each
+    segment from its carry over the others' ends): 5 chunks of 8 rows in segments of 2 (the last of one chunk); on
+    the left the second sequence's first 19 rows padded (the first segment all padding: a carry with no key yet,
+    whose maximum is 0, its first key in the second) and the first's second chunk; on the right the first
+    sequence's tail from row 21 (the last segment all padding, the running maximum carried through it) and the
+    second's second chunk: whole chunks of padding inside segments; half the features' keys growing along the
+    sequence, half shrinking (the maximum moves in every chunk, or the earliest segment holds it: each shift between
+    segments counts, the carried state's and the later segment's end's); against the float64 reference."""
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"SPLIT": 2},
+                                                            "lln_causal_grad_states": {"SPLIT": 2}}))
+    q, k, v = inputs(gen, DTYPES[dtype], 37, d=16)
+    grow = torch.linspace(0.5, 3.0, 37).view(37, 1)
+    with torch.no_grad():  # half the features' keys growing along the sequence, half shrinking
+        k.mul_(torch.cat([grow.expand(37, 8), grow.flip(0).expand(37, 8)], 1).to(k.dtype))
+    mask = torch.zeros(2, 37, dtype=torch.bool)
+    if side == "left":
+        mask[1, :19] = True
+        mask[0, 8:16] = True
+    else:
+        mask[0, 21:] = True
+        mask[1, 8:16] = True
+    check_against_reference(gen, q, k, v, dtype, causal=True, mask=mask)
+
+
+def test_causal_walks_occupy_an_h100_and_launch_a_fixed_count(gen, monkeypatch):
+    """At (B, H, N, D = Dv, chunk) = (1, 12, 32768, 64, 64) every launch of the causal walks (forward and backward,
+    ends and walk: ``common.walk_grid``, whose grids the ops launch) has at least 264 programs (two waves of an
+    H100's 132 SMs; one program a head and feature block had 48, each walking 512 chunks) of at most 64 serial
+    steps; and the ops launch the same kernels whatever N (N = 16 in one segment, N = 64 in four), the walks at
+    ``walk_grid``'s grids."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from linattn.ops.triton.common import walk_grid
+
+    for backward in (False, True):
+        for level in walk_grid(1, 12, 32768, 64, 64, 64, backward):
+            assert level.grid[0] * level.grid[1] * level.grid[2] >= 264 and 0 < level.steps <= 64, (backward, level)
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"SPLIT": 2},
+                                                            "lln_causal_grad_states": {"SPLIT": 2}}))
+    launched = []
+    original = InterpretedFunction.__getitem__
+
+    def recorded(kernel, grid):
+        launched.append((kernel.fn.__name__, tuple(grid)))
+        return original(kernel, grid)
+
+    monkeypatch.setattr(InterpretedFunction, "__getitem__", recorded)
+    kernels = []
+    for n in (16, 64):
+        launched.clear()
+        q, k, v = inputs(gen, torch.float16, n, b=1)
+        run(q, k, v, "fused", causal=True).sum().backward()
+        walks = [grid for name, grid in launched if name in ("_states", "_grad_states")]
+        assert walks == [level.grid for backward in (False, True) for level in walk_grid(1, 2, n, 20, 12, 8, backward)]
+        kernels.append([name for name, _ in launched])
+    assert kernels[0] == kernels[1] == ["_states", "_states", "_outputs", "_grad_states", "_grad_states", "_grads"]
+    assert walks[0][0] == 3 * 2 and walks[2][0] == 3 * 2  # N = 64: 8 chunks, 4 segments, 3 ends a head
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, dtype, causal):
     """``TF32`` (``triton/common.LAUNCH``): the unbounded operands' products are rounded to tf32 by default (under
@@ -108,23 +170,28 @@ def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, 
     assert any(not torch.equal(a, b) for a, b in zip(values(), tf32))
 
 
-@pytest.mark.parametrize("bv", [None, 16])
+@pytest.mark.parametrize("bv, split", [(None, None), (16, None), (None, 2)])
 @pytest.mark.parametrize("side", ["left", "right", None])
-def test_causal_fused_shifts_are_the_parallel_forms_exactly(gen, monkeypatch, bv, side):
+def test_causal_fused_shifts_are_the_parallel_forms_exactly(gen, monkeypatch, bv, side, split):
     """The running key maxima the causal walk keeps (m_prev, m_incl, which its outputs and gradients use) equal the
     parallel form's, bit for bit: D = 20 in feature blocks of 16 (the last partial), value columns whole or in blocks
     of 16, a chunk wholly padded on the left (0 before any key) or a padded tail, and keys on both signs and scales
-    (a maximum taken over the wrong chunks, features, or padded keys shows)."""
+    (a maximum taken over the wrong chunks, features, or padded keys shows); the 5 chunks walked whole or in segments
+    of 2 (``common.walk_grid``: the last one partial, each segment's maximum carried into the later ones; on the
+    left the second sequence's first segment all padding)."""
     from linattn.ops.lln import fused, parallel
     from linattn.ops.lln.inputs import lln_inputs
 
-    if bv:
-        monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"BV": bv}}))
+    walk = {"BV": bv} if bv else {}
+    if split:
+        walk["SPLIT"] = split
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": walk}))
     q, k, v = (t.detach() for t in inputs(gen, torch.float16, 37, dv=40))
     k = k * torch.linspace(-3, 5, 20).half()  # per-feature scales, some features negative throughout
     mask = None if side is None else torch.zeros(2, 37, dtype=torch.bool)
     if side == "left":
         mask[0, :11] = True  # chunk 0 (8 rows) wholly padded, chunk 1 partly
+        mask[1, :19] = True  # chunks 0 and 1 wholly padded, chunk 2 partly
     elif side == "right":
         mask[1, 30:] = True
     x = lln_inputs(q, k, v, ALPHA, BETA, mask, causal=True, chunk_size=8, upcast=False)
@@ -133,6 +200,7 @@ def test_causal_fused_shifts_are_the_parallel_forms_exactly(gen, monkeypatch, bv
     assert torch.equal(m_incl, want_incl) and torch.equal(m_prev, want_prev)
     if side == "left":
         assert (m_incl[0, :, :, 0] == 0).all() and (m_prev[:, :, :, 0] == 0).all()
+        assert (m_incl[1, :, :, :2] == 0).all() and (m_prev[1, :, :, :3] == 0).all()
 
 
 @pytest.mark.parametrize("side", ["left", "right", None])
@@ -298,6 +366,17 @@ def test_compile_fullgraph_sees_one_custom_op(gen, causal):
 def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype, causal):
     q, k, v = inputs(gen, DTYPES[dtype], 200, d=64, dv=64, scale=1.5)
     check_against_reference(gen, q, k, v, dtype, causal=causal, mask=padding_mask(2, 200, "right", gen), chunk=64)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_fused_walks_in_segments_at_a_larger_shape(gen, monkeypatch, dtype):
+    """D = Dv = 64 (4 feature blocks of 16) and 13 chunks of 16 in segments of 3 (the last of one chunk), padded on
+    the right: against the float64 reference."""
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"SPLIT": 3},
+                                                            "lln_causal_grad_states": {"SPLIT": 3}}))
+    q, k, v = inputs(gen, DTYPES[dtype], 200, d=64, dv=64, scale=1.5)
+    check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 200, "right", gen), chunk=16)
 
 
 @pytest.mark.parametrize("split_rows", [16, 32])

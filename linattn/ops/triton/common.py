@@ -7,7 +7,7 @@ NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its 
 import functools
 import json
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -19,17 +19,20 @@ HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dty
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
-# over the chunks (BV at most Dv's block: the whole of it), BLOCK: rows a step of the Nyström backward (C and dE
-# (BLOCK, L) in registers), TF32: the products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3
-# ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``). Chosen so that no kernel spills registers at D = 64 where
-# a setting can avoid it: exact fp32 products of 64x64 tiles are FMAs whose operands fill a thread's 255 registers,
-# and a spilled tile goes to local memory and back at each use, which bounds a kernel's time (docs/design.md §1.3.1,
-# *Registers*; what each setting spills, read from the sm_90 binaries, is in docs/benchmarks.md).
+# over the chunks (BV at most Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK:
+# rows a step of the Nyström backward (C and dE (BLOCK, L) in registers), TF32: the products of unbounded fp32
+# operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``).
+# Chosen so that no kernel spills registers at D = 64 where a setting can avoid it: exact fp32 products of 64x64
+# tiles are FMAs whose operands fill a thread's 255 registers, and a spilled tile goes to local memory and back at
+# each use, which bounds a kernel's time (docs/design.md §1.3.1, *Registers*; what each setting spills, read from
+# the sm_90 binaries, is in docs/benchmarks.md).
 # LINATTN_TRITON_LAUNCH='{"kernel": {"num_warps": 8}}' overrides them (tuning).
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
-          "lln_causal_states": dict(BF=16, BV=128, num_warps=4, num_stages=2),
+          "lln_causal_ends": dict(BF=16, BV=128, num_warps=4, num_stages=2),
+          "lln_causal_states": dict(BF=16, BV=128, SPLIT=32, num_warps=4, num_stages=2),
           "lln_causal_outputs": dict(num_warps=8, num_stages=1, TF32=True),
-          "lln_causal_grad_states": dict(BF=16, BV=128, num_warps=8, num_stages=2, TF32=True),
+          "lln_causal_grad_ends": dict(BF=16, BV=128, num_warps=8, num_stages=2, TF32=True),
+          "lln_causal_grad_states": dict(BF=16, BV=128, SPLIT=32, num_warps=8, num_stages=2, TF32=True),
           "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
           "lln_noncausal_readout": dict(num_warps=8, num_stages=1, TF32=True),
@@ -99,6 +102,33 @@ def _settings(kernel: str, d: int, dv: int, overrides: str, interpret: bool, *ta
         wide = TF32_SETTINGS[tf32]
         settings["WIDE"] = wide + 1 if wide and interpret else wide
     return tuple(settings.items())
+
+
+class Walk(NamedTuple):
+    """One launch of a walk over the chunks (``walk_grid``): its grid, the most serial steps a program of it takes
+    (chunks, and the segments it carries in), its segments' chunks and its launch keywords."""
+    grid: Tuple[int, int, int]
+    steps: int
+    seg: int
+    settings: dict
+
+
+def walk_grid(b: int, h: int, n: int, d: int, dv: int, chunk: int, backward: bool = False) -> Tuple[Walk, Walk]:
+    """The two launches of causal LLN's walk over its n / chunk chunks (``lln_causal._states``, or the backward's
+    ``lln_causal_backward._grad_states``), in segments of SPLIT chunks (the walk's ``LAUNCH``), a program a head,
+    segment, block of BF features and block of BV value columns: the ends (each segment walked from a zero state, its
+    end stored: every segment but the last, or the first backward, which no other segment reads; none if one) and
+    the walk (each segment from its carry over the ends before it, or after it backward: a step a segment, then a
+    step a chunk). A fixed count of launches whatever n; the wrappers launch these grids."""
+    ends = launch("lln_causal_grad_ends" if backward else "lln_causal_ends", d, dv)
+    walk = launch("lln_causal_grad_states" if backward else "lln_causal_states", d, dv)
+    nc = cdiv(n, chunk)
+    seg = min(walk.pop("SPLIT"), nc)
+    if seg < 1:
+        raise ValueError(f"SPLIT must be 1 or more chunks, got {seg}")
+    nseg = cdiv(nc, seg)
+    return (Walk((b * h * (nseg - 1), cdiv(d, ends["BF"]), cdiv(dv, ends["BV"])), seg if nseg > 1 else 0, seg, ends),
+            Walk((b * h * nseg, cdiv(d, walk["BF"]), cdiv(dv, walk["BV"])), nseg - 1 + seg, seg, walk))
 
 
 def fairseq_layout(x: torch.Tensor) -> bool:

@@ -5,8 +5,14 @@ reverse walk.
 With go = scale [grad, -grad·out] / den and A_c = (phi_q e^(-rho))^T go over chunk c, dL/dU_c = G_c =
 sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' obeys G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c.
 
-- ``_grad_states``, grid (B*H, D / BF, Dv / BV): G_c (fp32) of every chunk for a block of features, from the last chunk
-  (the only walk over the chunks; feature blocks are independent);
+- ``_grad_states``, grid (B*H x segments, D / BF, Dv / BV): G_c (fp32) of every chunk for a block of features, from
+  the last chunk (the only walk over the chunks; feature blocks are independent), in segments of SPLIT chunks
+  (``common.walk_grid``), launched twice as the forward's ``_states``: first (ENDS) every segment but the first from
+  G = 0 at its last chunk, storing G before its first chunk and the product of its decays e^(m_prev - m_incl); then
+  every segment from its carry, the later segments' ends composed from the last (G <- end + decays G), then its
+  chunks, storing each G_c. The ends' pass reads q, grad and out once more, where storing each segment's local G_c
+  and composing them with their carry in ``_grads`` would add a state tile to that kernel's registers (it spills
+  already);
 - ``_grads``, grid (chunks, B*H): every chunk's dq, dk, dv at once from the forward's state S_c and G_c; the C×C
   products are formed in registers, later keys removed by selection.
 
@@ -25,7 +31,6 @@ from .common import (
     HALF,
     block,
     block_rows,
-    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
@@ -35,6 +40,7 @@ from .common import (
     new_grads,
     op_grads,
     tile_at,
+    walk_grid,
     wide_dot,
 )
 from .kernel_op import kernel_op
@@ -53,25 +59,41 @@ def _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ: tl.constexpr, scale, p
 
 
 @triton.jit
-def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, BH, scale, N,
-                 D, DV, SQK, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-                 BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1): stores G_c of every chunk into gs
-    (NC, D, DV+1) (its ones column: the programs of l = 0), from the last chunk."""
-    pid = tl.program_id(0)
+def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, rho_ptr, lse_ptr, gs_ptr, ends_ptr, BH,
+                 scale, N, D, DV, SQK, NC, C, SEG, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+                 BDV: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, ENDS: tl.constexpr):
+    """One head, features BF*j .. BF*(j+1), value columns BV*l .. BV*(l+1), one segment of SEG chunks (program
+    BH*segment + head). The walk: G at the segment's last chunk from the ends of the segments after it, then, from
+    that chunk, stores G_c of every chunk of the segment into gs (NC, D, DV+1) (its ones column: the programs of
+    l = 0). ENDS (segments 1, 2, ...: segment 0's no one reads): the segment walked from G = 0 at its last chunk, only
+    its end stored into ``ends`` (segments - 1, D, DV+2): G before its first chunk and the product of its decays in
+    the last column."""
+    pid = tl.program_id(0) % BH
+    seg = tl.program_id(0) // BH + ENDS
     d = tl.program_id(1) * BF + tl.arange(0, BF)
     e = tl.program_id(2) * BV + tl.arange(0, BV)
     dok = d < D
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
+    nends = (NC - 1) // SEG  # the segments whose ends are stored: all but the first
+    first = seg * SEG
+    last = tl.minimum(first + SEG, NC)
     gv = tl.zeros((BF, BV), tl.float32)  # G_c: dL/dU_c, its value columns
     gz = tl.zeros((BF,), tl.float32)  # and its ones column
-    for t in range(0, NC):  # a forward loop (pipelined) over the chunks from the last
-        c = NC - 1 - t
-        state = gs_ptr + ((pid * NC + c) * D + d) * (DV + 1)
-        tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & eok[None, :])
-        if tl.program_id(2) == 0:  # the ones column, once
-            tl.store(state + DV, gz, mask=dok)
+    decays = tl.full((BF,), 1.0, tl.float32)  # ENDS: the product of the segment's decays
+    if not ENDS:
+        for t in range(0, nends - seg):  # the later segments' ends, from the last: G before each one's first chunk
+            end = ends_ptr + ((pid * nends + nends - 1 - t) * D + d) * (DV + 2)
+            carry = tl.load(end + DV + 1, mask=dok, other=1.0)
+            gv = gv * carry[:, None] + tl.load(end[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0)
+            gz = gz * carry + tl.load(end + DV, mask=dok, other=0.0)
+    for t in range(0, last - first):  # a forward loop (pipelined) over the segment's chunks from the last
+        c = last - 1 - t
+        if not ENDS:
+            state = gs_ptr + ((pid * NC + c) * D + d) * (DV + 1)
+            tl.store(state[:, None] + e[None, :], gv, mask=dok[:, None] & eok[None, :])
+            if tl.program_id(2) == 0:  # the ones column, once
+                tl.store(state + DV, gz, mask=dok)
         i, rows, ok, _ = block_rows(q_ptr, c, pid, 1, N, C, BC, False)  # queries: no mask
         mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
         mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
@@ -86,10 +108,18 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
             gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :],
                          other=0.0).to(tl.float32)
         go = gr * rs[:, None]
-        # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go
+        # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go (LLN eq. 9's state, backward)
         decay = tl.exp(tl.minimum(mp - mi, 0.0))
         gv = gv * decay[:, None] + wide_dot(tl.trans(fqr), go, WIDE)
         gz = gz * decay + tl.sum(fqr * goz[:, None], 0)
+        if ENDS:
+            decays = decays * decay
+    if ENDS:
+        end = ends_ptr + ((pid * nends + seg - 1) * D + d) * (DV + 2)
+        tl.store(end[:, None] + e[None, :], gv, mask=dok[:, None] & eok[None, :])
+        if tl.program_id(2) == 0:
+            tl.store(end + DV, gz, mask=dok)
+            tl.store(end + DV + 1, decays, mask=dok)
 
 
 @triton.jit
@@ -167,10 +197,12 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
     fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
-    walk = launch("lln_causal_grad_states", d, dv_dim)
-    _grad_states[(b * h, cdiv(d, walk["BF"]), cdiv(dv_dim, walk["BV"]))](
-        q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, b * h, scale, n, d, dv_dim, sqk, nc, c, BC=block(c),
-        BDV=block(dv_dim), FAIRSEQ=fairseq, **walk)
+    ends, walk = walk_grid(b, h, n, d, dv_dim, c, backward=True)
+    seg_ends = s.new_empty((b, h, ends.grid[0] // (b * h), d, dv_dim + 2))  # [G, its ones column, decays] before each
+    for level in (ends, walk):
+        _grad_states[level.grid](q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, seg_ends, b * h, scale, n, d,
+                                 dv_dim, sqk, nc, c, level.seg, BC=block(c), BDV=block(dv_dim), FAIRSEQ=fairseq,
+                                 ENDS=level is ends, **level.settings)
     _grads[(nc, b * h)](
         q, k, v, grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g.contiguous(), rho, lse, s.contiguous(), gs,
         dq, dk, dv, b * h, scale, h, n, d, dv_dim, sqk, sv, nc, c, BC=block(c), BD=block(d), BDV=block(dv_dim),
