@@ -38,8 +38,11 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
     assert row["spill_bytes"] <= RESIDUAL_SPILL_BYTES["lln_causal_grads"] < exact["spill_bytes"] / 4
     assert row["local_bytes"] < exact["local_bytes"] / 10
     assert row["ffma"] < exact["ffma"] / 10 and row["tensor_core"] > exact["tensor_core"]
+    # built as its recorded launches are specialised (its TTIR's arguments marked divisible by 16), blocks an SM told
+    assert row["hints"] == "launch" and row["divisibility_hints"] > 0 and row["blocks_per_sm"] >= 1
 
 
+@pytest.mark.extended  # four sm_90 builds; CI builds the causal _grads in the test above
 def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_rows_are_not(tmp_path):
     """The causal ``_grads``' in-chunk (C, C) products feed further products: at 8 warps Triton lays them with every
     warp along their 64 rows, so both warpgroups hold the same tiles (at 4 warps none is replicated); LAVO's causal
@@ -53,6 +56,7 @@ def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_row
     assert lavo[True]["num_warps"] == 8 and lavo[True]["replicated_dots"] == 0 < lavo[False]["replicated_dots"]
 
 
+@pytest.mark.extended  # twelve sm_90 builds, a developer's option
 def test_builds_in_several_processes_give_one_process_s_rows_in_order(tmp_path, capsys):
     """``--jobs``: the builds spread over processes come back as the rows one process makes, in the same order (a
     pool that returned them as they finish would not); a count below 1 is refused at parsing."""
