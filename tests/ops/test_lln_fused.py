@@ -20,6 +20,11 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before an
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (common.py)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# of a family of cases that walk the same kernel paths (the other half dtype, side or layout), one or two stay in
+# the default tier and their twins run in the extended one (docs/development.md)
+EXTENDED = pytest.mark.extended
+TWO_OF_FOUR = [("float16", "left"), ("bfloat16", "right"), *(pytest.param(*case, marks=EXTENDED)
+                                                            for case in (("bfloat16", "left"), ("float16", "right")))]
 
 
 def inputs(gen, dtype, n, b=2, h=2, d=20, dv=12, scale=1.0):
@@ -72,8 +77,7 @@ def test_fused_with_whole_chunks_of_padding(gen, causal):
     check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("dtype, side", TWO_OF_FOUR)
 def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, side):
     """BV (``triton/common.LAUNCH``, a tuning choice) below Dv: the walks over the chunks (states, and G_c in the
     backward) split over value columns as well, 3 blocks of 16 for Dv = 40 (the last partial), the ones column
@@ -84,8 +88,7 @@ def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, si
     check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 19, side, gen))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("dtype, side", TWO_OF_FOUR)
 def test_causal_fused_walks_in_segments_match_the_reference(gen, monkeypatch, dtype, side):
     """The walks over the chunks in segments (``common.walk_grid``: each segment's end from a zero state, then each
     segment from its carry over the others' ends): 5 chunks of 8 rows in segments of 2 (the last of one chunk); on
@@ -146,8 +149,9 @@ def test_causal_walks_occupy_an_h100_and_launch_a_fixed_count(gen, monkeypatch):
     assert walks[0][0] == 3 * 2 and walks[2][0] == 3 * 2  # N = 64: 8 chunks, 4 segments, 3 ends a head
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, causal", [("float16", True), ("bfloat16", False),
+                                           *(pytest.param(*case, marks=EXTENDED)
+                                             for case in (("bfloat16", True), ("float16", False)))])
 def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, dtype, causal):
     """``TF32`` (``triton/common.LAUNCH``): the unbounded operands' products are rounded to tf32 by default (under
     the interpreter as the tensor cores round them, so every other test checks that rounding); with TF32 false
@@ -241,8 +245,9 @@ def test_fused_shifts_ignore_what_padded_keys_hold(gen, causal, side):
     check_against_reference(gen, q, k, v, "float16", causal=causal, mask=mask)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("layouts", LAYOUT_CASES)
+@pytest.mark.parametrize("causal, layouts", [
+    (causal, layouts) if (causal, i) in ((False, 1), (True, 3)) else pytest.param(causal, layouts, marks=EXTENDED)
+    for causal in (False, True) for i, layouts in enumerate(LAYOUT_CASES)])
 def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, layouts):
     """q, k, v and dL/d(out) in fairseq's layout ((N,B,H,X) viewed (B,H,N,X), as the module's head split gives
     them), contiguous, or another: the contiguous run's output and gradients, bit for bit, in the inputs' layouts
@@ -264,7 +269,7 @@ def test_noncausal_fused_cross_attention_matches_the_reference(gen, layout):
     check_against_reference(gen, q, k, v, "float16", causal=False, mask=mask)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=EXTENDED)])
 def test_causal_fused_outputs_depend_on_no_future_token_exactly(gen, dtype):
     q, k, v = (t.detach() for t in inputs(gen, DTYPES[dtype], 21, scale=2.0))
     out = run(q, k, v, "fused", causal=True)
@@ -276,7 +281,7 @@ def test_causal_fused_outputs_depend_on_no_future_token_exactly(gen, dtype):
         assert torch.equal(changed[:, :, :t + 1], out[:, :, :t + 1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param("float16", marks=EXTENDED), "bfloat16"])
 def test_causal_fused_ignores_an_extreme_future_key_exactly(gen, dtype):
     """A later key at beta k = 0.9 * 90 = 81 on every feature (exp's fp32 range ends at 88) changes no earlier
     output, bit for bit: the key maxima and shifts are taken over earlier chunks only."""
@@ -317,8 +322,9 @@ def test_fused_runs_on_the_meta_device_forward_and_backward(causal):
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, causal", [("bfloat16", True), ("float16", False),
+                                           *(pytest.param(*case, marks=EXTENDED)
+                                             for case in (("float16", True), ("bfloat16", False)))])
 def test_averaged_forward_keeps_its_output_rounded_by_the_kernel(gen, dtype, causal):
     """LLN+Diag's LLN part (``averaged``): the fp32 output the block kernel averages into, and the same output in the
     half dtype, stored by the same kernel, that the backward keeps: exactly the fp32 one rounded (no conversion op
@@ -379,8 +385,8 @@ def test_causal_fused_walks_in_segments_at_a_larger_shape(gen, monkeypatch, dtyp
     check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 200, "right", gen), chunk=16)
 
 
-@pytest.mark.parametrize("split_rows", [16, 32])
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side, split_rows", [("left", 16), ("right", 32), pytest.param("right", 16, marks=EXTENDED),
+                                              pytest.param("left", 32, marks=EXTENDED)])
 def test_noncausal_fused_over_several_splits(gen, monkeypatch, side, split_rows):
     """The non-causal kernels' reductions split over the rows (``_state``'s keys, ``_state_grad``'s queries), each
     split's partial [S, z] summed after: at N = 50, 4 splits of one step or 2 of two steps (ROWS = 16), the last one
