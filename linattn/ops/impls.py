@@ -29,7 +29,7 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Collection, List, Mapping, Optional, Tuple, Union
+from typing import Collection, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -179,7 +179,12 @@ def unsupported_reasons(method_or_table: Union[str, Mapping], impl: str, q: Tens
     table = table_of(method_or_table)
     if table is None:
         return []
-    check = getattr(table[resolve_impl(impl, q.device, available=tuple(table))], "not_supported_reasons", None)
+    return _reasons(table[resolve_impl(impl, q.device, available=tuple(table))], q, v, options)
+
+
+def _reasons(implementation, q: Tensor, v: Optional[Tensor], options: dict) -> List[str]:
+    """``unsupported_reasons`` of the implementation's file (a resolved one)."""
+    check = getattr(implementation, "not_supported_reasons", None)
     return [] if check is None else check(q, q if v is None else v, **options)
 
 
@@ -193,13 +198,45 @@ def implementation_for(method_or_table: Union[str, Mapping], impl: str, q: Tenso
     table = table_of(method_or_table)
     if table is None:
         return "only"
-    resolved = resolve_impl(impl, q.device, available=tuple(table))
-    reasons = unsupported_reasons(table, resolved, q, v, **options)
+    resolved, reasons = _decision(table, impl, q, v, options)
     if not reasons:
         return resolved
     if impl == "auto":
         return "parallel"
-    raise ImplementationError(impl, table[resolved], reasons)
+    raise ImplementationError(impl, table[resolved], list(reasons))
+
+
+# ``implementation_for``'s decisions: key (``_decision``) -> (table, its resolved file, resolved name, reasons)
+_DECISIONS: Dict[tuple, tuple] = {}
+_MAX_DECISIONS = 4096  # shapes met (a training run's lengths vary): cleared whole when full
+
+
+def _decision(table: Mapping, impl: str, q: Tensor, v: Optional[Tensor], options: dict) -> Tuple[str, tuple]:
+    """(the resolved implementation, why its file cannot take the call: () where it can), worked out once per
+    table, ``impl``, q's and v's shapes, dtypes and device, options and what else the reasons read (the
+    ``TRITON_INTERPRET`` variable, ``auto_impl``, whether Triton is installed, the device's shared memory): a forward
+    asks two or three times (the matcher, its rows, the op), each once. Not kept under ``torch.compile`` (compiled
+    once; ``choose`` reads the compiler's state) nor for options that cannot be a key."""
+    if torch.compiler.is_compiling():
+        resolved = resolve_impl(impl, q.device, available=tuple(table))
+        return resolved, tuple(_reasons(table[resolved], q, v, options))
+    w = q if v is None else v
+    key = (id(table), impl, q.shape, q.dtype, q.device, w.shape, w.dtype, *options.items(),
+           os.environ.get("TRITON_INTERPRET"), _AUTO.get("auto"), triton_available(), device_shared_memory(q.device))
+    try:
+        entry = _DECISIONS.get(key)
+    except TypeError:  # an option that is no key
+        resolved = resolve_impl(impl, q.device, available=tuple(table))
+        return resolved, tuple(_reasons(table[resolved], q, v, options))
+    # the entry holds its table (whose id then stays its own) and checks that the table still holds the same file
+    if entry is not None and entry[0] is table and table.get(entry[2]) is entry[1]:
+        return entry[2], entry[3]
+    resolved = resolve_impl(impl, q.device, available=tuple(table))
+    reasons = tuple(_reasons(table[resolved], q, v, options))
+    if len(_DECISIONS) >= _MAX_DECISIONS:
+        _DECISIONS.clear()
+    _DECISIONS[key] = (table, table[resolved], resolved, reasons)
+    return resolved, reasons
 
 
 def declares(table: Mapping, impl: str, flag: str) -> bool:

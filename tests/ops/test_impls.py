@@ -115,6 +115,52 @@ def test_the_reasons_name_a_missing_triton_and_a_device_the_kernels_do_not_run_o
         ops.lln_attention(half, half, half, 1.0, 1.0, impl="fused")
 
 
+def test_a_call_is_worked_out_once_and_again_where_what_the_reasons_read_changes(monkeypatch):
+    """A forward asks two or three times (the moment matcher, its rows, the op): ``implementation_for`` works a
+    call's shapes and options out once, and again when what the reasons read changes (TRITON_INTERPRET, Triton,
+    the device's shared memory, ``auto_impl``); nothing is kept under torch.compile."""
+    from linattn.ops.lln import fused as lln_fused
+
+    calls = []
+    original = lln_fused.not_supported_reasons
+    monkeypatch.setattr(lln_fused, "not_supported_reasons", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    monkeypatch.setattr(impls, "_DECISIONS", {})
+    half = torch.empty(1, 2, 8, 16, dtype=torch.float16)
+    for _ in range(3):
+        assert implementation_for(LLN, "fused", half, causal=True, chunk=8) == "fused"
+    assert len(calls) == 1
+    assert implementation_for(LLN, "fused", half, causal=True, chunk=4) == "fused"  # other options
+    assert implementation_for(LLN, "fused", half[:, :1], causal=True, chunk=8) == "fused"  # another shape
+    assert len(calls) == 3
+    assert refused(LLN, "fused", half, half[..., :4].float()) == "values' dtype torch.float32 is not the queries' " \
+                                                                   "torch.float16"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "device cpu" in refused(LLN, "fused", half, causal=True, chunk=8)
+    with auto_impl("fused"):
+        assert implementation_for(LLN, "auto", half, causal=True, chunk=8) == "parallel"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert implementation_for(LLN, "auto", half, causal=True, chunk=8) == "looped"
+    with auto_impl("fused"):
+        assert implementation_for(LLN, "auto", half, causal=True, chunk=8) == "fused"
+    monkeypatch.setattr(impls, "triton_available", lambda: False)
+    assert refused(LLN, "fused", half, causal=True, chunk=8) == "Triton is not installed"
+    monkeypatch.setattr(impls, "triton_available", lambda: True)
+    wide = half.new_empty(1, 2, 8, 128)
+    assert implementation_for(LLN, "fused", wide, causal=True, chunk=8) == "fused"
+    monkeypatch.setattr(impls, "device_shared_memory", lambda device: 64 * 1024)
+    assert refused(LLN, "fused", wide, causal=True, chunk=8) == (
+        "head dim 128 needs 224 KiB of shared memory a block, cpu gives 64")
+    assert len(calls) == 10  # each change above worked out anew (auto: looped, nothing to ask)
+    monkeypatch.undo()
+    monkeypatch.setattr(lln_fused, "not_supported_reasons", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    monkeypatch.setattr(impls, "_DECISIONS", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    calls.clear()
+    for _ in range(2):
+        assert implementation_for(LLN, "fused", half, causal=True, chunk=8) == "fused"
+    assert impls._DECISIONS == {} and len(calls) == 2
+
+
 def test_an_unknown_impl_names_the_allowed_ones():
     q = torch.randn(1, 1, 4, 2)
     with pytest.raises(ValueError, match="impl must be one of auto, parallel, looped, fused, got 'gpu'"):
