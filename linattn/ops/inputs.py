@@ -60,10 +60,12 @@ def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
     return check_positive_scales(q, **{name: value})[0]
 
 
-def check_positive_scales(q: Tensor, **scales) -> Tuple[Tensor, ...]:
+def check_positive_scales(q: Tensor, *, per_head: bool = False, **scales) -> Tuple[Tensor, ...]:
     """``check_positive_scale`` of each named scale, the values of those given as tensors checked by one device
-    assertion (five launches, whatever their number). A forward runs this every time: the shapes are checked by hand
-    (``torch.broadcast_shapes`` costs the host more than the rest)."""
+    assertion (four launches, whatever their number). A forward runs this every time: the shapes are checked by hand
+    (``torch.broadcast_shapes`` costs the host more than the rest). ``per_head``: where every scale is a tensor (none
+    learnt), each is returned as a contiguous (B, H, 1, 1) part of one stack, which is what the assertion checks (the
+    fused kernels read one value a head: no stack of their own)."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     checked, on_device = [], []
     for name, value in scales.items():
@@ -86,6 +88,10 @@ def check_positive_scales(q: Tensor, **scales) -> Tuple[Tensor, ...]:
         checked.append(t4)
     if on_device:  # checked on the device, no host sync (RuntimeError with this text)
         names = " or ".join(f"{name} must be finite and > 0" for name, _ in on_device)
-        t = on_device[0][1] if len(on_device) == 1 else torch.cat([t.detach().reshape(-1) for _, t in on_device])
-        torch._assert_async(((t > 0) & (t < math.inf)).all(), names)  # NaN fails both
+        if per_head and len(on_device) == len(checked) and not any(t.requires_grad for t in checked):
+            t = torch.stack([t.expand(q.shape[0], q.shape[1], 1, 1) for t in checked])
+            checked = list(t.unbind(0))
+        else:
+            t = on_device[0][1] if len(on_device) == 1 else torch.cat([t.detach().reshape(-1) for _, t in on_device])
+        torch._assert_async(t.detach().nan_to_num(0.0, 0.0).gt(0).all(), names)  # NaN and inf made 0: not > 0
     return tuple(checked)

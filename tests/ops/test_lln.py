@@ -1,6 +1,8 @@
 """LLN attention, both implementations, against the materialised paper formula (LLN eq. 8-9): values, gradients,
 half precision, decoding, argument errors, and (below) the looped implementation in several working-size passes
 (groups of chunks), reference and gradcheck."""
+import functools
+
 import pytest
 import torch
 from helpers import LargestTensor, padding_mask, rel_err
@@ -204,7 +206,7 @@ def test_lln_rejects_bad_input(impl):
 @pytest.mark.parametrize("which", ["alpha", "beta"])
 def test_tensor_scales_are_checked_on_the_device_in_one_assertion(which, bad):
     """alpha and beta as tensors (the moment matcher's, per head): both checked by one device assertion (a forward
-    runs it every time: five launches for the pair, not ten), which still fails for a bad value in either, on any
+    runs it every time: four launches for the pair, not ten), which still fails for a bad value in either, on any
     head, naming both."""
     from linattn_tools.benchmark.dispatch import count_dispatch
 
@@ -216,8 +218,34 @@ def test_tensor_scales_are_checked_on_the_device_in_one_assertion(which, bad):
         ops.lln_attention(q, q, q, scales["alpha"], scales["beta"], impl="parallel")
     with count_dispatch() as counts:
         ops.lln_attention(q, q, q, good, good, impl="parallel")
+    with count_dispatch() as unchecked:  # Python numbers: checked on the host
+        ops.lln_attention(q, q, q, 0.5, 0.5, impl="parallel")
     assert counts.ops["_assert_async"] == 1
-    assert counts.ops["gt"] + counts.ops["lt"] + counts.ops["bitwise_and"] + counts.ops["all"] == 4
+    assert counts.ops - unchecked.ops == {"cat": 1, "nan_to_num": 1, "gt": 1, "all": 1, "_assert_async": 1}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_reads_the_checked_scales_per_head_with_no_stack_of_its_own(causal):
+    """Tensor alpha, beta (the moment matcher's) are stacked per head (B, H) by their check, and the fused kernels
+    read that stack as it is: the check adds its four launches and nothing else to the call with Python numbers
+    (whose stack the fused op makes itself); the values reach the kernels, and a bad one still fails."""
+    pytest.importorskip("triton", minversion="3.9")
+    from linattn_tools.benchmark.dispatch import count_dispatch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=gen).bfloat16() for _ in range(3))
+    alpha, beta = torch.tensor([0.5, 0.7]).view(1, 2, 1, 1), torch.tensor([0.6, 0.4]).view(1, 2, 1, 1)
+    run = functools.partial(ops.lln_attention, q, k, v, causal=causal, chunk_size=4)
+    with count_dispatch() as counts:
+        out = run(alpha, beta, impl="fused")
+    with count_dispatch() as unchecked:
+        run(0.5, 0.5, impl="fused")
+    assert counts.ops - unchecked.ops == {"nan_to_num": 1, "gt": 1, "all": 1, "_assert_async": 1}
+    assert unchecked.ops - counts.ops == {}
+    want = ops.lln_attention(q.double(), k.double(), v.double(), alpha, beta, causal=causal, impl="parallel")
+    assert rel_err(out.double(), want) < 1e-2
+    with pytest.raises(RuntimeError, match="alpha must be finite and > 0 or beta must be finite and > 0"):
+        run(alpha, torch.tensor([0.6, float("nan")]).view(1, 2, 1, 1), impl="fused")
 
 
 @pytest.fixture

@@ -49,7 +49,8 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     token) make q·k products underflow in fp32 when a query's and a key's largest features, above
     about 35 each, sit on different channels (``test_causal_lln_misaligned_extreme_features...``).
     """
-    looped = resolve_impl(impl, q.device, available=IMPLEMENTATIONS) == "looped"  # upcast once, here
-    x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=looped)
+    resolved = resolve_impl(impl, q.device, available=IMPLEMENTATIONS)  # looped: upcast once, here
+    x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=resolved == "looped",
+                   per_head=resolved == "fused")
     impl = implementation_for(IMPLEMENTATIONS, impl, x.q, x.v, causal=causal, chunk=x.chunk)  # refused if it cannot
     return _LLN.apply(impl, *x).to(q.dtype)

@@ -77,9 +77,12 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
 
 
 def _per_head(x: LLNInputs) -> Tuple[Tensor, Tensor]:
-    """alpha, beta (B,H) fp32, one per head as the kernels read them: two contiguous halves of one stack (one
-    launch)."""
+    """alpha, beta (B,H) fp32, one per head as the kernels read them: as they are where each is a contiguous
+    (B,H,1,1) tensor (tensors given, stacked so by their check: ``lln_inputs``' ``per_head``), else two contiguous
+    halves of one stack (one launch)."""
     b, h = x.q.shape[:2]
+    if all(t.shape == (b, h, 1, 1) and t.dtype == torch.float32 and t.is_contiguous() for t in (x.alpha, x.beta)):
+        return x.alpha.view(b, h), x.beta.view(b, h)
     return tuple(torch.stack([t.expand(b, h, 1, 1) for t in (x.alpha, x.beta)]).view(2, b, h))
 
 

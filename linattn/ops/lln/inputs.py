@@ -21,15 +21,17 @@ class LLNInputs(NamedTuple):
     chunk: int
 
 
-def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool, chunk_size: int, upcast: bool) -> LLNInputs:
+def lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal: bool, chunk_size: int, upcast: bool,
+               per_head: bool = False) -> LLNInputs:
     """Validated inputs: q, k, v in the compute dtype (``upcast``; else in their own dtype), alpha and beta constants
     (learnt scales are folded into q and k, where autograd carries them; q and k are then in the compute dtype),
-    the chunk size clamped to N."""
+    the chunk size clamped to N. ``per_head`` (for the fused kernels): alpha, beta given as tensors come as the
+    (B, H, 1, 1) halves of the stack their check reads (``check_positive_scales``)."""
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_qkv(q, k, v, same_length=causal)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
     ct = compute_dtype(q)
-    alpha, beta = (t.to(ct) for t in check_positive_scales(q, alpha=alpha, beta=beta))
+    alpha, beta = (t.to(ct) for t in check_positive_scales(q, per_head=per_head, alpha=alpha, beta=beta))
     if alpha.requires_grad or beta.requires_grad:
         q, k, alpha, beta = alpha * q.to(ct), beta * k.to(ct), torch.ones_like(alpha), torch.ones_like(beta)
     if upcast:
