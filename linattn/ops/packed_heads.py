@@ -69,15 +69,12 @@ def head_stride(x: Tensor) -> Optional[int]:
     tensors side by side in each head, as the module's packed projection gives q, k and v (S = 2D + Dv). None if x
     does not lie so."""
     b, h, n, c = x.shape
-    if h > 1:
-        s = x.stride(1)
-    elif b > 1:
-        s = x.stride(0)
-    elif n > 1:
-        s = x.stride(2) // b
-    else:
-        s = c
-    return s if s >= c and _strided(x, (h * s, s, b * h * s, 1)) else None
+    sb, sh, sn, sc = x.stride()
+    s = sh if h > 1 else sb if b > 1 else sn // b if n > 1 else c
+    # the strides (H S, S, B H S, 1) along the dimensions longer than 1 (a step calls this a dozen times: no loop)
+    if s < c or (b > 1 and sb != h * s) or (h > 1 and sh != s) or (n > 1 and sn != b * h * s) or (c > 1 and sc != 1):
+        return None
+    return s
 
 
 def packed_siblings(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -96,11 +93,6 @@ def kept_alone(x: Tensor) -> Tensor:
     if torch.compiler.is_compiling() or x.untyped_storage().nbytes() <= x.numel() * x.element_size():
         return x
     return x.contiguous()
-
-
-def _strided(x: Tensor, strides: Tuple[int, ...]) -> bool:
-    """Whether x has these strides along its dimensions longer than 1."""
-    return all(s == want for s, want, size in zip(x.stride(), strides, x.shape) if size > 1)
 
 
 def split_heads(qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
