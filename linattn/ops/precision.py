@@ -22,12 +22,16 @@ def autocast_off(op):
 
     Under ``torch.autocast`` (fairseq's ``--amp``) matmuls run in fp16/bf16 even after an op has
     upcast its inputs: the features and sums an op computes in float32 would be rounded to half.
-    With autocast off each op computes as documented (half inputs in float32, output in their dtype).
+    With autocast off each op computes as documented (half inputs in float32, output in their dtype). Where it is
+    off already (no ``torch.autocast`` around the call, as in fp32 and ``--fp16`` training) the op runs as it is: the
+    context costs the host about 5 µs a call, and a fused step calls two or three ops.
     """
     @functools.wraps(op)
     def run(q, *args, **kwargs):
         device_type = q.device.type if isinstance(q, Tensor) else "cpu"
         if not has_autocast(device_type):  # the meta device: no autocast to turn off
+            return op(q, *args, **kwargs)
+        if not torch.compiler.is_compiling() and not torch.is_autocast_enabled(device_type):
             return op(q, *args, **kwargs)
         with torch.autocast(device_type=device_type, enabled=False):
             return op(q, *args, **kwargs)

@@ -87,3 +87,20 @@ def test_decode_steps_compute_in_float32_under_autocast(gen, method):
         got = _decode(method, q, k, v, *lavo)
     assert got.dtype == torch.float32
     assert rel_err(got, want) < 1e-6
+
+
+def test_an_op_enters_no_autocast_context_where_autocast_is_off(gen, monkeypatch):
+    """``autocast_off`` turns autocast off only where it is on: without ``torch.autocast`` around the call (fp32 and
+    --fp16 training) the op runs as it is (the context costs the host about 5 µs a call); under it, the op still
+    turns it off, once."""
+    entered = []
+    autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **kw: entered.append(kw) or autocast(*a, **kw))
+    op = _op("lln", True)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen) for _ in range(3))
+    want = op(q, k, v)
+    assert entered == []
+    with autocast(device_type="cpu", dtype=torch.bfloat16):
+        got = op(q, k, v)
+    assert entered == [{"device_type": "cpu", "enabled": False}]
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
