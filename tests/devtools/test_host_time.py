@@ -27,3 +27,28 @@ def test_the_kernels_run_again_after_the_stub(gen):
     rows = ops.token_moments(q, k, impl="fused")
     torch.testing.assert_close(rows[0].double(), q.double().sum(-1), rtol=1e-6, atol=1e-5)
     assert counts["launches"] == 1
+
+
+# dispatched ops (ATen's and the custom ops) of a fused step: 25, 25, 31, 27 before the scale check was folded into
+# the fused op's per-head stack (2e5fa1d)
+STEP_OPS = {("lln", False): 23, ("lln", True): 23, ("lln_diag", False): 29, ("lln_diag", True): 25}
+
+
+@pytest.mark.parametrize("method, causal", list(STEP_OPS))
+def test_a_fused_lln_step_keeps_its_op_budget_and_works_its_implementation_out_once(monkeypatch, method, causal):
+    """The host-time proxy without timing: a fused LLN (or LLN+Diag) training step as ``host_time`` runs it
+    dispatches at most its budget of ops, syncs the host nowhere, and after its first step asks the kernels' limits
+    (``not_supported_reasons``) nothing again: ``implementation_for``'s decisions are kept."""
+    from linattn.ops.lln import fused as lln_fused
+    from linattn_tools.benchmark.dispatch import count_dispatch
+
+    run = host_time.Series(method, causal, "fused")
+    asked = []
+    original = lln_fused.not_supported_reasons
+    with host_time.stub_launches():
+        run.step()
+        monkeypatch.setattr(lln_fused, "not_supported_reasons", lambda *a, **kw: asked.append(a) or original(*a, **kw))
+        with count_dispatch() as counts:
+            run.step()
+    assert counts.launched <= STEP_OPS[method, causal], counts.ops
+    assert counts.host_syncs == 0 and asked == []
