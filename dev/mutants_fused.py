@@ -143,7 +143,7 @@ FUSED_MUTANTS = [
       "dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)", "dv = wide_dot(tl.trans(w), go, WIDE)",
       "the values' gradient leaves out the later chunks' queries (G_c)", ("tests/ops/test_lln_fused.py",)),
     M("triton-causal-bwd-keys-later-queries", OPS + "triton/lln_causal_backward.py",
-      "    dbk += (wide_dot(vf, tl.trans(gv), WIDE) + gz[None, :]) * fki\n", "",
+      "    dbk += (wide_dot(vh.to(tl.float32), tl.trans(gv), WIDE) + gz[None, :]) * fki\n", "",
       "the keys' gradient leaves out the later chunks' queries (G_c)", ("tests/ops/test_lln_fused.py",)),
     M("triton-noncausal-bwd-denominator", OPS + "triton/lln_noncausal_backward.py",
       "WIDE) + dsz[None, :]) * fk * beta", "WIDE)) * fk * beta",

@@ -78,12 +78,13 @@ DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batc
 # limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
 # (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
 # gradient's): its residues went from 112, 64, 32, 256 B to these (Triton 3.9; 3.6: 56 to 136 and 128, 144 to 136);
-# causal LLN's from 312 to 288 (3.6: 240 to 176). The non-causal LAVO backward reading its rows through the
+# causal LLN's from 312 to 288 (3.6: 240 to 176), then to none, its ``_grads`` split in two (dq and dk, dv: 255 ->
+# 228 and 197 registers, 3.6: 222 and 216). The non-causal LAVO backward reading its rows through the
 # real-first order (an encoder's padded batch): ``_local_grad`` up to 104
 # (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40). Skyformer's M^-1 kernels, whose d×d passes keep a
 # block of rows of three matrices and a product's split operands (tf32x3): 88 and 168 (3.6: 160 and 120); at 8 warps
 # and 64 rows, 48 and 816 with every product's warps replicated (``replicated_dots``)
-RESIDUAL_SPILL_BYTES = {"lln_causal_grads": 288, "nystrom_rows_grad": 96, "lavo_memory_grad": 96,
+RESIDUAL_SPILL_BYTES = {"nystrom_rows_grad": 96, "lavo_memory_grad": 96,
                         "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352,
                         "nystrom_inverse": 160, "nystrom_inverse_grad": 168}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
@@ -108,6 +109,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_causal_backward._grad_states, "lln_causal_grad_ends", dict(BC=64, ENDS=True)),
             (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64, ENDS=False)),
             (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, V_AT_QK=True, **common)),
+            (lln_causal_backward._value_grads, "lln_causal_value_grads", dict(BC=64, V_AT_QK=True, **common)),
             (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
             (lln_noncausal._readout, "lln_noncausal_readout", dict(BLOCK=lln_noncausal.ROWS, AVERAGED=False)),
             (lln_noncausal_backward._state_grad, "lln_noncausal_state_grad", dict(BLOCK=lln_noncausal.ROWS)),
@@ -183,6 +185,8 @@ def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Opt
     params = inspect.signature(kernel.fn).parameters
     # FAIRSEQ: the kernels read and write fairseq's layout, as the module's head split gives q, k, v
     consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d, FAIRSEQ=True), **consts, **settings}.items() if p in params}
+    if consts.get("V_AT_QK") and min(consts.get("BF", d), consts.get("BV", d)) < d:  # v's offsets q's only where a
+        consts["V_AT_QK"] = False  # program's features or value columns are all of them (``lln_causal_backward``)
     types = {p: "constexpr" if p in consts else ("*" + half if p in HALF_POINTERS else "*u8" if p in MASKS else
              "*fp64" if p in DOUBLES else "*i64" if p in LONGS else
              "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")

@@ -25,17 +25,17 @@ def resources(python, tmp_path, *args):
 
 
 def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
-    """The causal ``_grads`` with its products of unbounded operands in exact fp32 (8 warps: the settings the H100
-    ran, the causal op at a fifth of its byte floor) fills 255 registers and spills KiBs a thread, its 64x64x64
-    products as thousands of FMAs; at LAUNCH's settings (tf32 products on tensor cores) it spills no more than the
-    recorded residue."""
+    """The causal ``_grads`` (dq, dk) with its products of unbounded operands in exact fp32 (8 warps: the settings
+    the H100 ran, the causal op at a fifth of its byte floor) fills 255 registers and spills (456 bytes a thread with
+    Triton 3.9 since the backward's dv went to its own kernel; 4.2 KiB before), its 64x64x32 products as thousands
+    of FMAs; at LAUNCH's settings (tf32 products on tensor cores) it spills no more than the recorded residue."""
     args = ("--configs", "fp16:64", "--kernels", "lln_causal_grads")
     [exact] = resources(sys.executable, tmp_path, *args, "--set", json.dumps({"lln_causal_grads": {"TF32": False}}))
     [row] = resources(sys.executable, tmp_path, *args)
-    assert exact["registers"] == 255 and exact["spill_bytes"] >= 2048 and exact["local_stores"] > 500
+    assert exact["registers"] == 255 and exact["spill_bytes"] >= 256 and exact["local_stores"] > 50
     assert exact["local_bytes"] >= 4 * (exact["local_stores"] + exact["local_loads"])
-    assert exact["ffma"] > 5000
-    assert row["spill_bytes"] <= RESIDUAL_SPILL_BYTES["lln_causal_grads"] < exact["spill_bytes"] / 4
+    assert exact["ffma"] > 1000
+    assert row["spill_bytes"] <= RESIDUAL_SPILL_BYTES.get("lln_causal_grads", 0) < exact["spill_bytes"] / 4
     assert row["local_bytes"] < exact["local_bytes"] / 10
     assert row["ffma"] < exact["ffma"] / 10 and row["tensor_core"] > exact["tensor_core"]
     # built as its recorded launches are specialised (its TTIR's arguments marked divisible by 16), blocks an SM told
@@ -96,7 +96,8 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
                      "--variants-at", "fp16:64")
     limit = SHARED_KIB[90] * 1024
     at_launch = [row for row in rows if not row["change"]]
-    assert len(at_launch) == 4 * 29 and len(rows) == 4 * 29 + 18 * 2 + 4  # tf32 twice where it applies; BV 4 walks
+    # tf32 twice where it applies; BV: the 4 walks and the causal _value_grads
+    assert len(at_launch) == 4 * 30 and len(rows) == 4 * 30 + 19 * 2 + 5
     # LAUNCH's settings always fit; of the alternatives only tf32x3's split operands in the Nyström backward don't
     assert all(row["shared_bytes"] <= limit for row in at_launch)
     over = [(row["kernel"], row["change"]) for row in rows if row["shared_bytes"] > limit]
@@ -109,7 +110,7 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
     tables = {"lln_": lln, "block_softmax": block, "nystrom_": skyformer, "lavo_": lavo}
     # also as built for an A100 (sm_80), which the same table admits at D = 64
     a100 = resources(python, tmp_path, "--arch", "80", "--configs", "fp16:64", "bf16:64", "fp16:128")
-    assert len(a100) == 3 * 29
+    assert len(a100) == 3 * 30
     for row in at_launch + a100:
         need = next(m for prefix, m in tables.items() if row["kernel"].startswith(prefix)).SHARED_MEMORY_KIB[row["d"]]
         assert row["shared_bytes"] <= need * 1024, row

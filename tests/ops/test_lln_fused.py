@@ -81,9 +81,13 @@ def test_fused_with_whole_chunks_of_padding(gen, causal):
 def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, side):
     """BV (``triton/common.LAUNCH``, a tuning choice) below Dv: the walks over the chunks (states, and G_c in the
     backward) split over value columns as well, 3 blocks of 16 for Dv = 40 (the last partial), the ones column
-    written once; against the float64 reference."""
+    written once, and so does the backward's ``_value_grads`` (dv), while its ``_grads`` (dq, dk) splits D = 20
+    into 2 blocks of 16 features (BF, the last partial: each block its rows of S_c and G_c, the in-chunk product
+    formed whole by each); against the float64 reference."""
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"BV": 16},
-                                                            "lln_causal_grad_states": {"BV": 16}}))
+                                                            "lln_causal_grad_states": {"BV": 16},
+                                                            "lln_causal_grads": {"BF": 16},
+                                                            "lln_causal_value_grads": {"BV": 16}}))
     q, k, v = inputs(gen, DTYPES[dtype], 19, dv=40)
     check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 19, side, gen))
 
@@ -145,7 +149,8 @@ def test_causal_walks_occupy_an_h100_and_launch_a_fixed_count(gen, monkeypatch):
         walks = [grid for name, grid in launched if name in ("_states", "_grad_states")]
         assert walks == [level.grid for backward in (False, True) for level in walk_grid(1, 2, n, 20, 12, 8, backward)]
         kernels.append([name for name, _ in launched])
-    assert kernels[0] == kernels[1] == ["_states", "_states", "_outputs", "_grad_states", "_grad_states", "_grads"]
+    assert kernels[0] == kernels[1] == ["_states", "_states", "_outputs", "_grad_states", "_grad_states", "_grads",
+                                        "_value_grads"]
     assert walks[0][0] == 3 * 2 and walks[2][0] == 3 * 2  # N = 64: 8 chunks, 4 segments, 3 ends a head
 
 

@@ -33,7 +33,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_outputs": dict(num_warps=8, num_stages=1, TF32=True),
           "lln_causal_grad_ends": dict(BF=16, BV=128, num_warps=8, num_stages=2, TF32=True),
           "lln_causal_grad_states": dict(BF=16, BV=128, SPLIT=32, num_warps=8, num_stages=2, TF32=True),
-          "lln_causal_grads": dict(num_warps=8, num_stages=1, TF32=True),
+          "lln_causal_grads": dict(BF=32, num_warps=8, num_stages=1, TF32=True),
+          "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
           "lln_noncausal_readout": dict(num_warps=8, num_stages=1, TF32=True),
           "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=True),
@@ -59,6 +60,7 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
 # Fused kernels' registers, D = 128)
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
+              "lln_causal_value_grads": dict(num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}
 
