@@ -57,8 +57,15 @@ def test_scales_are_the_matchers_arithmetic(gen, g, source, max_scale):
     want = m._match(var, like=torch.zeros(1, dtype=torch.float16))
     stats, ab = lln_scales(first, second, m.a, m.b, m.max_scale, torch.float32)
     assert stats.dtype == F64 and ab.dtype == torch.float32 and stats.shape == (5, g) and ab.shape == (2, g)
-    for row, name in zip(stats, ("sigma_q", "sigma_k", "alpha", "beta", "tau")):
+    for row, name in zip(stats[:4], ("sigma_q", "sigma_k", "alpha", "beta")):
         torch.testing.assert_close(row, getattr(m, f"last_{name}"), **SQRT_ULPS)
+    # tau = (a x + b)^(-1/2) (eq. 11) with b < 0: where a x is near -b the sum cancels, and alpha's or beta's ulp
+    # in x comes back |a x| / |a x + b| times larger (tau halves it again); 16 ulps times that condition number
+    x = (m.last_alpha ** 2 * m.last_sigma_q ** 2 + m.last_beta ** 2 * m.last_sigma_k ** 2)
+    cond = ((m.a * x).abs() / (m.a * x + m.b).abs()).clamp_min(1.0)
+    tau = m.last_tau
+    close = (stats[4] - tau).abs() <= SQRT_ULPS["rtol"] * cond * tau.abs()
+    assert (close | (stats[4].isnan() & tau.isnan())).all(), (stats[4], tau, cond)
     for got, w in zip(ab, want):
         torch.testing.assert_close(got, w.flatten(), rtol=2**-23, atol=0, equal_nan=True)
     if g > 3 and source == "moments":
