@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -161,9 +162,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", help="write every launch here")
     p.add_argument("--specialisation", help="write each kernel's specialisations here (at --d 64 and 128)")
     args = p.parse_args(argv)
+    root = str(Path(args.root).resolve()) if args.root else None
+    if root and os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != root:
+        # the earlier tree's packages first on the path of a child process that records (no import from here yet)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        child = [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(child, env=env).returncode
     os.environ["TRITON_INTERPRET"] = "1"
-    if args.root:
-        sys.path.insert(0, str(Path(args.root).resolve()))
     import torch
     import triton
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))

@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..impls import implementation_for, resolve_impl
+from ..impls import declares, implementation_for, resolve_impl
 from ..precision import autocast_off, function_output
 from . import fused, looped, parallel
 from .inputs import LLNInputs, lln_inputs
@@ -51,6 +51,6 @@ def lln_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, causal: bool 
     """
     resolved = resolve_impl(impl, q.device, available=IMPLEMENTATIONS)  # looped: upcast once, here
     x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=resolved == "looped",
-                   per_head=resolved == "fused")
+                   per_head=declares(IMPLEMENTATIONS, resolved, "PER_HEAD_SCALES"))
     impl = implementation_for(IMPLEMENTATIONS, impl, x.q, x.v, causal=causal, chunk=x.chunk)  # refused if it cannot
     return _LLN.apply(impl, *x).to(q.dtype)

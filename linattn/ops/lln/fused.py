@@ -24,6 +24,7 @@ MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: a larger q, k or v run
 SHARED_MEMORY_KIB = {64: 80, 128: 224}  # the largest block (the causal ``_grads``) at D <= 64 and <= 128, sm_90
 SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=True, max_head_dim=MAX_HEAD_DIM,
                   max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
+PER_HEAD_SCALES = True  # the kernels read alpha, beta as the (B, H) stacks of ``lln_inputs(per_head=True)``
 
 
 def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, chunk: int = 64,

@@ -84,7 +84,7 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
 def _average(q, k, v, key_padding_mask, *, alpha, beta, block_size, causal, chunk_size, impl) -> Tensor:
     """The average (``_LLNDiagAverage``) in the resolved implementation ``impl``."""
     x = lln_inputs(q, k, v, alpha, beta, key_padding_mask, causal, chunk_size, upcast=impl == "looped",
-                   per_head=impl == "fused")
+                   per_head=declares(IMPLEMENTATIONS, impl, "PER_HEAD_SCALES"))
     return _LLNDiagAverage.apply(impl, *lln_diag_inputs(x, block_size, BLOCK_IMPLEMENTATIONS[impl])).to(q.dtype)
 
 

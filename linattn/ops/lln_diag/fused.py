@@ -9,6 +9,8 @@ from torch import Tensor
 from ..block_softmax import fused as block_fused
 from ..lln import fused as lln_fused
 
+PER_HEAD_SCALES = lln_fused.PER_HEAD_SCALES  # its LLN part is LLN's kernels
+
 
 def not_supported_reasons(q: Tensor, v: Tensor, *, causal: bool = False, chunk: int = 64, block: int = 64,
                           device: Optional[torch.device] = None) -> List[str]:

@@ -60,7 +60,7 @@ def window_probs(q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ: tl.c
     q (BW, BD) half, the keys' positions and real flags (NK,), k (NK, BD) half and p (BW, NK) fp32, the window
     softmax of q·k/sqrt(D) + P[j - t + w - 1] over the allowed keys (LAVO §3.2-3.3), 0 elsewhere and on rows with no
     allowed key; BY_KEY: p transposed, (NK, BW), a key a row (its scores k q^T: NK = 2 BW rows causal, which 8 warps
-    hold without replicating them, ``kernel_resources.replicated_dots``); and the queries' and keys' rows in memory
+    hold without replicating them, ``dev.perf.binary.replicated_dots``); and the queries' and keys' rows in memory
     (``memory_rows``). q and k at head stride SQK (``tile_at``)."""
     i = tl.arange(0, BW)
     d = tl.arange(0, BD)
