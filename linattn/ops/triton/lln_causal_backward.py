@@ -142,6 +142,31 @@ def _state_rows(ptr, at, d, e, D, DV):
 
 
 @triton.jit
+def _chunk_features(q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d,
+                    BH, H, N, D, SQK, NC, C, BC: tl.constexpr, HAS_MASK: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """What both gradient kernels form of chunk c of head pid for the features d: its rows (``block_rows``), q's
+    and k's offsets, beta, the shifts m_incl (the features'), g and rho, phi_q (fq) and phi_k (fk) as the forward's
+    ``_outputs`` (LLN eq. 8, shifted), beta k and which keys are live."""
+    dok = d < D
+    alpha = tl.load(alpha_ptr + pid)
+    beta = tl.load(beta_ptr + pid)
+    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
+    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k, dq, dk: one layout
+    rd = ok[:, None] & dok[None, :]
+    qq = tl.load(q_ptr + at, mask=rd, other=0.0).to(tl.float32)
+    fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
+    bk = tl.load(k_ptr + at, mask=rd, other=0.0).to(tl.float32) * beta
+    live = key_ok[:, None] & dok[None, :]
+    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+    return i, rows, ok, at, rd, alpha, beta, mi, g, rho, fq, fk, bk, live
+
+
+@triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
            rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, BH, scale, H, N,
            D, DV, SQK, SV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
@@ -156,28 +181,14 @@ def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr,
     pid = tl.program_id(1)
     d = tl.program_id(2) * BF + tl.arange(0, BF)
     e = tl.arange(0, BDV)
-    dok = d < D
-    eok = e < DV
-    alpha = tl.load(alpha_ptr + pid)
-    beta = tl.load(beta_ptr + pid)
-    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
-    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-    mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-    g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k, dq, dk: one layout
+    i, rows, ok, at, rd, alpha, beta, mi, g, rho, fq, fk, bk, live = _chunk_features(
+        q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d, BH, H, N, D,
+        SQK, NC, C, BC, HAS_MASK, FAIRSEQ)
     if V_AT_QK:  # v's rows where q's and k's are (packed siblings, or D = Dv): one tile of offsets
         at_v = at
     else:
         at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)
-    rd = ok[:, None] & dok[None, :]
-    re = ok[:, None] & eok[None, :]
-    qq = tl.load(q_ptr + at, mask=rd, other=0.0).to(tl.float32)
-    fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
-    bk = tl.load(k_ptr + at, mask=rd, other=0.0).to(tl.float32) * beta
-    live = key_ok[:, None] & dok[None, :]
-    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+    re = ok[:, None] & (e[None, :] < DV)
     gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV, BDV)
     vh = tl.load(v_ptr + at_v, mask=re, other=0.0)  # v in its half dtype (fewer registers): exact as fp32
     go = gr * rs[:, None]
@@ -213,28 +224,14 @@ def _value_grads(q_ptr, k_ptr, grad_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr,
     pid = tl.program_id(1)
     d = tl.arange(0, BD)
     e = BV * tl.program_id(2) + tl.arange(0, BV)
-    eok = e < DV
-    dok = d < D
-    alpha = tl.load(alpha_ptr + pid)
-    beta = tl.load(beta_ptr + pid)
-    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
-    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-    mi = tl.load(mi_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-    g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    lse = tl.load(lse_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
-    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k
+    i, rows, ok, at, rd, alpha, beta, mi, g, rho, fq, fk, bk, live = _chunk_features(
+        q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d, BH, H, N, D,
+        SQK, NC, C, BC, HAS_MASK, FAIRSEQ)
     if V_AT_QK:
         at_v = at
     else:
         at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)
-    rd = ok[:, None] & dok[None, :]
-    re = ok[:, None] & eok[None, :]
-    qq = tl.load(q_ptr + at, mask=rd, other=0.0).to(tl.float32)
-    fq = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None]), 0.0)
-    bk = tl.load(k_ptr + at, mask=rd, other=0.0).to(tl.float32) * beta
-    live = key_ok[:, None] & dok[None, :]
-    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+    re = ok[:, None] & (e[None, :] < DV)
     causal = i[:, None] >= i[None, :]  # key j <= query i
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
     w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
