@@ -76,6 +76,9 @@ def kernel_time(launch: dict, row: dict, eta: float, t_iter: float, gpu: dict = 
                  fp32_s=fp32 / gpu["fp32_flop_s"], spill_s=spill / gpu["l2_bytes_s"])
     slots = row["blocks_per_sm"] * gpu["sms"]
     waves = -(-programs // slots)
+    if not waves:  # an empty grid (a walk's ends in one segment): Triton launches nothing
+        return dict(**terms, tensor_flops=0, fp32_flops=0, spill_bytes=0, blocks_per_sm=row["blocks_per_sm"], waves=0,
+                    sms_busy=0.0, occupancy=0.0, serial_s=0.0, time_s=0.0, bound="none")
     last = programs - (waves - 1) * slots
     busy = ((waves - 1) + min(last, gpu["sms"]) / gpu["sms"]) / waves
     resident = min(row["blocks_per_sm"], -(-programs // gpu["sms"]))
@@ -195,7 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 fitted=(r["method"], r["causal"]) in FITTED,
                                 kernels=step["kernels"]))
     host_now = hosts("host_time.json")
-    now_runs = json.loads(Path(args.launches).read_text())["runs"]
+    now_runs = [r for r in json.loads(Path(args.launches).read_text())["runs"]  # the targets' series (the recorder's
+                if (r["method"], r["causal"]) in TARGETS]  # default also has LAVO non-causal, for the specialisation)
     predictions = []
     for r in now_runs:
         step = predict_step(r["launches"], now_rows, keys, eta, t_iter, other_now[r["causal"]],

@@ -57,6 +57,9 @@ def test_a_kernel_time_by_hand():
     assert half["sms_busy"] == 0.5 and half["bound"] == "fp32_s"
     assert math.isclose(half["fp32_flops"], 1000 * 2 * 512 * 66)
     assert math.isclose(half["time_s"], half["fp32_s"] / 0.5 + H100["launch_s"])
+    # an empty grid (a walk's ends when the walk is one segment): Triton launches nothing, no time, no launch cost
+    empty = kernel_time(launch(programs=0, bytes=0, trips=0), row(), eta=0.5, t_iter=1e-6)
+    assert empty["waves"] == 0 and empty["time_s"] == 0
 
 
 class _Kernel:
