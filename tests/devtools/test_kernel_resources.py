@@ -30,7 +30,8 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
     Triton 3.9 since the backward's dv went to its own kernel; 4.2 KiB before), its 64x64x32 products as thousands
     of FMAs; at LAUNCH's settings (tf32 products on tensor cores) it spills no more than the recorded residue."""
     args = ("--configs", "fp16:64", "--kernels", "lln_causal_grads")
-    [exact] = resources(sys.executable, tmp_path, *args, "--set", json.dumps({"lln_causal_grads": {"TF32": False}}))
+    ran = {"TF32": False, "num_warps": 8, "BF": 32}  # 3a9230f's settings, in exact fp32
+    [exact] = resources(sys.executable, tmp_path, *args, "--set", json.dumps({"lln_causal_grads": ran}))
     [row] = resources(sys.executable, tmp_path, *args)
     assert exact["registers"] == 255 and exact["spill_bytes"] >= 256 and exact["local_stores"] > 50
     assert exact["local_bytes"] >= 4 * (exact["local_stores"] + exact["local_loads"])
@@ -38,8 +39,10 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
     assert row["spill_bytes"] <= RESIDUAL_SPILL_BYTES.get("lln_causal_grads", 0) < exact["spill_bytes"] / 4
     assert row["local_bytes"] < exact["local_bytes"] / 10
     assert row["ffma"] < exact["ffma"] / 10 and row["tensor_core"] > exact["tensor_core"]
-    # built as its recorded launches are specialised (its TTIR's arguments marked divisible by 16), blocks an SM told
-    assert row["hints"] == "launch" and row["divisibility_hints"] > 0 and row["blocks_per_sm"] >= 1
+    # built as its recorded launches are specialised (its TTIR's arguments marked divisible by 16); at LAUNCH's 4
+    # warps two blocks an SM and no product computed twice (at 8, both warpgroups compute the chained products)
+    assert row["hints"] == "launch" and row["divisibility_hints"] > 0
+    assert row["num_warps"] == 4 and row["blocks_per_sm"] >= 2 and row["replicated_dots"] == 0
 
 
 @pytest.mark.extended  # four sm_90 builds; CI builds the causal _grads in the test above
@@ -48,9 +51,9 @@ def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_row
     warp along their 64 rows, so both warpgroups hold the same tiles (at 4 warps none is replicated); LAVO's causal
     ``_local_grad`` holds its softmax tiles a key a row, (2w, w) = 128 rows, which 8 warps hold once."""
     args = ("--configs", "fp16:64", "--kernels")
-    [at_8] = resources(sys.executable, tmp_path, *args, "lln_causal_grads")
-    [at_4] = resources(sys.executable, tmp_path, *args, "lln_causal_grads", "--set",
-                       json.dumps({"lln_causal_grads": {"num_warps": 4}}))
+    [at_8] = resources(sys.executable, tmp_path, *args, "lln_causal_grads", "--set",
+                       json.dumps({"lln_causal_grads": {"num_warps": 8}}))
+    [at_4] = resources(sys.executable, tmp_path, *args, "lln_causal_grads")
     assert at_8["num_warps"] == 8 and at_8["replicated_dots"] >= 2 and at_4["replicated_dots"] == 0
     lavo = {row["causal"]: row for row in resources(sys.executable, tmp_path, *args, "lavo_local_grad")}
     assert lavo[True]["num_warps"] == 8 and lavo[True]["replicated_dots"] == 0 < lavo[False]["replicated_dots"]

@@ -30,17 +30,17 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_ends": dict(BF=16, BV=128, num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, SPLIT=32, num_warps=4, num_stages=2),
-          "lln_causal_outputs": dict(num_warps=8, num_stages=1, TF32=True),
-          "lln_causal_grad_ends": dict(BF=16, BV=128, num_warps=8, num_stages=2, TF32=True),
-          "lln_causal_grad_states": dict(BF=16, BV=128, SPLIT=32, num_warps=8, num_stages=2, TF32=True),
-          "lln_causal_grads": dict(BF=32, num_warps=8, num_stages=1, TF32=True),
+          "lln_causal_outputs": dict(num_warps=4, num_stages=1, TF32=True),
+          "lln_causal_grad_ends": dict(BF=16, BV=128, num_warps=4, num_stages=2, TF32=True),
+          "lln_causal_grad_states": dict(BF=16, BV=128, SPLIT=32, num_warps=4, num_stages=2, TF32=True),
+          "lln_causal_grads": dict(BF=16, num_warps=4, num_stages=1, TF32=True),
           "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=8, num_stages=1, TF32=True),
-          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=True),
-          "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=True),
+          "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=True),
+          "lln_noncausal_state_grad": dict(num_warps=4, num_stages=2, TF32=True),
+          "lln_noncausal_rows_grad": dict(num_warps=4, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
-          "block_softmax_backward": dict(num_warps=8, num_stages=1, TF32=True),
+          "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=True),
           "nystrom_state": dict(num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=8, num_stages=1, TF32=True),
           "nystrom_rows_grad": dict(BLOCK=32, num_warps=8, num_stages=1, TF32=True),
@@ -58,11 +58,16 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
 # memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
 # over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
-# Fused kernels' registers, D = 128)
+# Fused kernels' registers, D = 128). At D = 64 LAUNCH keeps a 64-row tile's kernels on 4 warps: two blocks an SM
+# (at most 255 registers a thread), and no product replicated across warpgroups (at 8 warps a chained product's
+# 64 rows are held and computed by both: docs/design.md §1.3.1, *Replicated products*).
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
-              "lln_causal_value_grads": dict(num_warps=8),
+              "block_softmax_backward": dict(num_warps=8), "lln_causal_ends": dict(num_warps=8),
+              "lln_causal_outputs": dict(num_warps=8), "lln_causal_grad_ends": dict(num_warps=8),
+              "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
+              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
-              "lavo_memory": dict(num_warps=8)}
+              "lln_noncausal_rows_grad": dict(num_warps=8), "lavo_memory": dict(num_warps=8)}
 
 # Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size (and a call
 # of a jit function about as much again): there the M^-1 kernels' passes over blocks of rows (BLOCK) and steps of
