@@ -116,7 +116,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (moment_match._fold, "lln_moment_fold", dict(MOMENTUM=0.99, BATCH=True, BLOCK=16)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
-            (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
+            (nystrom._state, "nystrom_state", dict(BL=128, KEYS=True, **common)),
             (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
             (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common)),
             (nystrom_inverse._inverse, "nystrom_inverse", dict(BL=128, STEPS=nystrom_inverse.STEPS)),
