@@ -80,7 +80,7 @@ DOUBLES, LONGS = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr"), ("batc
 # (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40). Skyformer's M^-1 kernels, whose d×d passes keep a
 # block of rows of three matrices and a product's split operands (tf32x3): 88 and 168 (3.6: 160 and 120); at 8 warps
 # and 64 rows, 48 and 816 with every product's warps replicated (``replicated_dots``)
-RESIDUAL_SPILL_BYTES = {"nystrom_rows_grad": 96, "lavo_memory_grad": 96,
+RESIDUAL_SPILL_BYTES = {"lavo_memory_grad": 96,
                         "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352,
                         "nystrom_inverse": 160, "nystrom_inverse_grad": 168}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
@@ -116,7 +116,7 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (moment_match._fold, "lln_moment_fold", dict(MOMENTUM=0.99, BATCH=True, BLOCK=16)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
-            (nystrom._state, "nystrom_state", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=True, **common)),
+            (nystrom._state, "nystrom_state", dict(BL=128, KEYS=True, **common)),
             (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
             (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common)),
             (nystrom_inverse._inverse, "nystrom_inverse", dict(BL=128, STEPS=nystrom_inverse.STEPS)),

@@ -20,8 +20,9 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
 # over the chunks (BV at most Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK:
-# rows a step of the Nyström backward (C and dE (BLOCK, L) in registers), TF32: the products of unbounded fp32
-# operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false); ``wide_dot``).
+# rows a step of the Nyström state and backward (C^T, or C and dE, (BLOCK, L) in registers), TF32: the products of
+# unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false);
+# ``wide_dot``).
 # Chosen so that no kernel spills registers at D = 64 where a setting can avoid it: exact fp32 products of 64x64
 # tiles are FMAs whose operands fill a thread's 255 registers, and a spilled tile goes to local memory and back at
 # each use, which bounds a kernel's time (docs/design.md §1.3.1, *Registers*; what each setting spills, read from
@@ -41,9 +42,9 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_noncausal_rows_grad": dict(num_warps=4, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
           "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=True),
-          "nystrom_state": dict(num_warps=8, num_stages=2),
-          "nystrom_readout": dict(num_warps=8, num_stages=1, TF32=True),
-          "nystrom_rows_grad": dict(BLOCK=32, num_warps=8, num_stages=1, TF32=True),
+          "nystrom_state": dict(BLOCK=32, num_warps=8, num_stages=2),
+          "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=True),
+          "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "lavo_local": dict(num_warps=8, num_stages=1),

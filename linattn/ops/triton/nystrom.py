@@ -6,7 +6,8 @@ its rows' (rows, d) block in registers, C = exp(D^(-1/2) (x·l - |x|²/2 - |l|²
 the landmarks' half rows l (L = l D^(-1/4): the landmarks are rows of X, so l is exact in the inputs' half dtype),
 x lᵀ on tensor cores with fp32 accumulation. C <= 1, so its products with half values run on tensor cores too.
 ``_state``, grid (B*H, cdiv(N, SPLIT_ROWS)): each program sums its rows' share of C^T W (W: the values, or in the
-backward the output gradient), one ``sum`` over the split axis adds them (deterministic, no atomics). ``_readout``,
+backward the output gradient), C^T formed as l xᵀ (``kernel_columns``), a step of BLOCK rows at a time; one ``sum``
+over the split axis adds them (deterministic, no atomics). ``_readout``,
 grid (B*H, cdiv(N, ROWS)): out = C_Q U per block of queries, U = M^-T T read in fp32 (``wide_dot``).
 Padding, as the parallel implementation: a padded key's row of C is 0, a padded query is a zero query.
 """
@@ -33,8 +34,8 @@ from .common import (
 )
 from .kernel_op import kernel_op
 
-ROWS = 64  # rows per step of ``_state``, queries per program of ``_readout``
-SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of ROWS)
+ROWS = 64  # queries per program of ``_readout`` (``_state``'s rows a step: its launch's BLOCK)
+SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of their BLOCKs)
 
 
 @triton.jit
@@ -53,13 +54,11 @@ def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
-                 BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
-                 KEYS: tl.constexpr):
+def kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, D, SX, BD: tl.constexpr,
+                HAS_MASK: tl.constexpr, KEYS: tl.constexpr):
     """Rows ``rows`` (< end) of Q or K (KEYS; fairseq's layout, head stride SX, or contiguous: ``common.tile_at``) of
-    head ``pid``: x
-    (R, BD) in HALF_TY (a padded query 0), C =
-    kappa(x_s, L) (R, BL) fp32 (0 on rows past the end and on padded keys), and whether each row is a real token."""
+    head ``pid``: x (R, BD) in its half dtype (a padded query 0), whether each row's C is live (0 on rows past the
+    end and on padded keys) and whether each row is a real token."""
     d = tl.arange(0, BD)
     inside = rows < end
     real = inside
@@ -67,13 +66,50 @@ def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, 
         real = inside & (tl.load(mask_ptr + (pid // H) * end + rows, mask=inside, other=1) == 0)
     x = tl.load(x_ptr + tile_at(pid, rows, d, end, SX, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D),
                 other=0.0)
-    x32 = x.to(tl.float32)
-    # E = x_s·L - |x_s|²/2 - |L|²/2 = D^(-1/2) (x·l - |x|²/2 - |l|²/2) <= 0 (Skyformer §4.1), clamped for rounding
-    e = s2 * (half_dot(x, tl.trans(raw), HALF_TY, EMULATE) - 0.5 * tl.sum(x32 * x32, 1)[:, None]
-              - 0.5 * raw_sq[None, :])
-    c = tl.exp(tl.minimum(e, 0.0)) * used[None, :]
     live = real if KEYS else inside
+    return x, live, real
+
+
+@triton.jit
+def square_norms(x):
+    """|x|² (R,) fp32 of rows x (R, BD) (after their product with the landmarks: fewer registers live across it)."""
+    x32 = x.to(tl.float32)
+    return tl.sum(x32 * x32, 1)
+
+
+@triton.jit
+def gaussian(xl, x_sq, l_sq, used, s2, AXIS: tl.constexpr):
+    """C = kappa(x_s, L) fp32 from x·l, rows by landmarks (AXIS 1: the landmarks' axis) or landmarks by rows (0),
+    |x|² of the rows, |l|² and the used-slot factors of the landmarks (each broadcast where it is used: a
+    landmark's broadcast takes a thread as many registers as its share of xl's columns)."""
+    # E = x_s·L - |x_s|²/2 - |L|²/2 = D^(-1/2) (x·l - |x|²/2 - |l|²/2) <= 0 (Skyformer §4.1), clamped for rounding
+    e = s2 * (xl - 0.5 * tl.expand_dims(x_sq, AXIS) - 0.5 * tl.expand_dims(l_sq, 1 - AXIS))
+    return tl.exp(tl.minimum(e, 0.0)) * tl.expand_dims(used, 1 - AXIS)
+
+
+@triton.jit
+def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
+                 BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
+                 KEYS: tl.constexpr):
+    """Rows ``rows`` of Q or K (``kernel_rows``) of head ``pid``: x (R, BD) in HALF_TY, C = kappa(x_s, L) (R, BL)
+    fp32 (0 on rows past the end and on padded keys; x lᵀ on tensor cores), and whether each row is a real token."""
+    x, live, real = kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, end, D, SX, BD, HAS_MASK, KEYS)
+    xl = half_dot(x, tl.trans(raw), HALF_TY, EMULATE)
+    c = gaussian(xl, square_norms(x), raw_sq, used, s2, 1)
     return x, tl.where(live[:, None], c, 0.0), real
+
+
+@triton.jit
+def kernel_columns(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
+                   BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
+                   KEYS: tl.constexpr):
+    """``kernel_block``'s C transposed, C^T (BL, R) fp32 (l xᵀ on tensor cores: the landmarks are its product's M,
+    so that a product C^T W it feeds keeps one warp's rows to itself, as C's R = 64 rows at 8 warps do not), and
+    whether each row is a real token."""
+    x, live, real = kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, end, D, SX, BD, HAS_MASK, KEYS)
+    lx = half_dot(raw, tl.trans(x), HALF_TY, EMULATE)
+    ct = gaussian(lx, square_norms(x), raw_sq, used, s2, 0)
+    return tl.where(live[None, :], ct, 0.0), real
 
 
 @triton.jit
@@ -91,12 +127,12 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        x, c, real = kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SX,
-                                  BD, HALF_TY, EMULATE, HAS_MASK, KEYS)  # x: unused
+        ct, real = kernel_columns(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SX,
+                                  BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
         live = real if KEYS else rows < N  # a padded key's values reach nothing, whatever they hold
         w = tl.load(w_ptr + tile_at(pid, rows, e, N, SW, BH, FAIRSEQ), mask=live[:, None] & (e[None, :] < DV),
                     other=0.0)
-        acc += half_dot(tl.trans(c), w, HALF_TY, EMULATE)
+        acc += half_dot(ct, w, HALF_TY, EMULATE)
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * L * DV  # part (B, H, splits, L, DV)
     tl.store(at + j[:, None] * DV + e[None, :], acc, mask=(j[:, None] < L) & (e[None, :] < DV))
 
@@ -129,14 +165,15 @@ def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optiona
     b, h, n, d = x.shape
     fairseq, (sx, sw), (x, w) = each_in_layout(x, w)
     dv, num = w.shape[-1], land.shape[2]
-    assert SPLIT_ROWS % ROWS == 0, (SPLIT_ROWS, ROWS)
+    settings = launch("nystrom_state", d)  # its BLOCK: rows a step (C^T (L, BLOCK) in registers)
+    assert SPLIT_ROWS % settings["BLOCK"] == 0, (SPLIT_ROWS, settings["BLOCK"])
     splits = max(1, cdiv(n, SPLIT_ROWS))
     part = land.new_empty((b, h, splits, num, dv))  # each split's share, summed below: deterministic, no atomics
     _state[(b * h, splits)](x, w, land, used, mask_bytes(mask, x), part, b * h, d ** -0.25, h, n, SPLIT_ROWS,
                             d, dv, sx, sw, num,
-                            BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
+                            BD=block(d), BDV=block(dv), BL=block(num), HALF_TY=HALF[x.dtype],
                             EMULATE=emulate_half_dot(x.dtype), HAS_MASK=mask is not None, KEYS=keys, FAIRSEQ=fairseq,
-                            **launch("nystrom_state", d))
+                            **settings)
     return part.sum(2)
 
 
