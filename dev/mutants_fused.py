@@ -56,7 +56,7 @@ FUSED_MUTANTS = [
     M("kernel-op-cuda-only", OPS + "triton/kernel_op.py", 'DEVICES = ("CUDA", "CPU")', 'DEVICES = ("CUDA",)',
       "the ops have no CPU kernel: Triton's interpreter (the tests) cannot run them", ("tests/ops/test_lln_fused.py",)),
     M("triton-launch-cache-keeps-a-replaced-table", OPS + "triton/common.py",
-      "id(LAUNCH), id(LAUNCH_128), id(INTERPRETED)))", "id(LAUNCH), id(INTERPRETED)))",
+      "id(LAUNCH), id(LAUNCH_128), id(INTERPRETED))", "id(LAUNCH), id(INTERPRETED))",
       "launch answers from its cache after LAUNCH_128 is replaced", ("tests/ops/test_triton_common.py",)),
     M("triton-cdiv-floors", OPS + "triton/common.py", "return -(-a // b)", "return a // b",
       "the grids' host division rounds down: the last partial block of rows gets no program",

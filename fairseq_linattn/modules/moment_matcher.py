@@ -177,8 +177,8 @@ class MomentMatcher(nn.Module):
             self.pending_moments.zero_()
         return super().train(mode)
 
-    def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False
-                 ) -> Tensor:
+    def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False,
+                 kernels=None) -> Tensor:
         """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum k, sum q², sum k², entries, over non-padded tokens
         (q's and k's stacked: fewer launches).
 
@@ -186,8 +186,11 @@ class MomentMatcher(nn.Module):
         q, k), with no full-size upcast copy of q or k, and counted (D a real row, 0 a padded one, which adds 0
         whatever it holds, inf or NaN included: ``ops.token_moments``, one kernel with ``--attention-impl fused``);
         the (5, B, H, N) rows are then summed over the tokens in float64 (sums over many tokens), in one reduction.
+        ``kernels``: ``_kernels(q)``, whose rows those are where it has them.
         """
-        rows = token_moments(q.detach(), k.detach(), key_padding_mask, self.impl)  # (5, B, H, N)
+        own = getattr(kernels, "token_moments", None)  # the rows ``token_moments`` runs there, its choice not redone
+        q, k = q.detach(), k.detach()
+        rows = token_moments(q, k, key_padding_mask, self.impl) if own is None else own(q, k, key_padding_mask)
         dims = (3,) if self.per_head else (2, 3)
         if per_sequence:
             return rows.sum(dims, dtype=_F64).reshape(5, q.shape[0], -1)
@@ -220,8 +223,17 @@ class MomentMatcher(nn.Module):
             return self._match(var, like)
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
         stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
+        self._keep_last(stats.unbind(0))
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
+
+    def _keep_last(self, values: Tuple[Tensor, ...]) -> None:
+        """``LAST``'s values set, straight into the instance's attributes (they are no parameters, buffers or
+        modules: ``nn.Module.__setattr__`` costs the host about 3 µs each to find that out), one by one under
+        ``torch.compile`` (``LAST``)."""
+        if torch.compiler.is_compiling():
+            self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = values
+        else:
+            self.__dict__.update(zip(LAST, values))
 
     def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of q and k stacked (2, ...)."""
@@ -269,7 +281,7 @@ class MomentMatcher(nn.Module):
         kernels = self._kernels(q)
         if self.stats == "batch":
             if self.training:
-                moments = self._training_moments(q, k, key_padding_mask)
+                moments = self._training_moments(q, k, key_padding_mask, kernels)
                 if trained_on:
                     moments = self._record(moments, kernels)
                 return self._scales(q, kernels, moments)
@@ -284,12 +296,12 @@ class MomentMatcher(nn.Module):
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
         if trained_on:
-            self._record(self._training_moments(q, k, key_padding_mask), kernels)
+            self._record(self._training_moments(q, k, key_padding_mask, kernels), kernels)
         return alpha_beta
 
-    def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], kernels) -> Tensor:
         """``_moments`` of a training forward; none (variance 1) inside ``statistics_left_out``."""
-        moments = self._moments(q, k, key_padding_mask)
+        moments = self._moments(q, k, key_padding_mask, kernels=kernels)
         return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
     def _record(self, moments: Tensor, kernels) -> Tensor:
