@@ -69,12 +69,14 @@ def check_positive_scales(q: Tensor, *, per_head: bool = False, **scales) -> Tup
     which is what the assertion checks (the fused kernels read one value a head: no stack of their own)."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     heads = q.shape[:2]
+    compiling = torch.compiler.is_compiling()  # traced once: the functions themselves (Dynamo warns of a cache)
+    scale_shape, message = (_scale_shape.__wrapped__, _message.__wrapped__) if compiling else (_scale_shape, _message)
     checked, on_device = [], []
     for name, value in scales.items():
         t = value
         if not (isinstance(value, Tensor) and value.dtype == dtype and value.device == q.device):
             t = torch.as_tensor(value, dtype=dtype, device=q.device)
-        shape = _scale_shape(name, t.shape, heads)
+        shape = scale_shape(name, t.shape, heads)
         t4 = t if t.dim() == 4 else t.reshape(shape)
         if not isinstance(value, Tensor):
             if not (math.isfinite(float(value)) and float(value) > 0):  # a Python number: checked on the host
@@ -83,7 +85,7 @@ def check_positive_scales(q: Tensor, *, per_head: bool = False, **scales) -> Tup
             on_device.append((name, t4))
         checked.append(t4)
     if on_device:  # checked on the device, no host sync (RuntimeError with this text)
-        names = _message(tuple(name for name, _ in on_device))
+        names = message(tuple(name for name, _ in on_device))
         if per_head and len(on_device) == len(checked) and not any(t.requires_grad for t in checked):
             full = (*heads, 1, 1)
             t = torch.stack([t if t.shape == full else t.expand(full) for t in checked])
