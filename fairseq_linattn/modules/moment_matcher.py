@@ -177,8 +177,8 @@ class MomentMatcher(nn.Module):
             self.pending_moments.zero_()
         return super().train(mode)
 
-    def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False
-                 ) -> Tensor:
+    def _moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], per_sequence: bool = False,
+                 kernels=None) -> Tensor:
         """(5, G) or (5, B, G) for ``per_sequence``: sum q, sum k, sum q², sum k², entries, over non-padded tokens
         (q's and k's stacked: fewer launches).
 
@@ -186,8 +186,11 @@ class MomentMatcher(nn.Module):
         q, k), with no full-size upcast copy of q or k, and counted (D a real row, 0 a padded one, which adds 0
         whatever it holds, inf or NaN included: ``ops.token_moments``, one kernel with ``--attention-impl fused``);
         the (5, B, H, N) rows are then summed over the tokens in float64 (sums over many tokens), in one reduction.
+        ``kernels``: ``_kernels(q)``, whose rows those are where it has them.
         """
-        rows = token_moments(q.detach(), k.detach(), key_padding_mask, self.impl)  # (5, B, H, N)
+        own = getattr(kernels, "token_moments", None)  # the rows ``token_moments`` runs there, its choice not redone
+        q, k = q.detach(), k.detach()
+        rows = token_moments(q, k, key_padding_mask, self.impl) if own is None else own(q, k, key_padding_mask)
         dims = (3,) if self.per_head else (2, 3)
         if per_sequence:
             return rows.sum(dims, dtype=_F64).reshape(5, q.shape[0], -1)
@@ -205,23 +208,41 @@ class MomentMatcher(nn.Module):
 
     def _kernels(self, like: Tensor):
         """The file of LLN's implementation for q like ``like`` where the matching after the token sums runs in its
-        one-program kernels (its ``lln_scales`` and ``fold_moments``: ``fused``'s), for modes with the line
+        one-program kernels (its ``lln_scales`` and ``lln_scales_recorded``: ``fused``'s), for modes with the line
         a x + b; else None."""
         if self.mode not in ("paper", "fit"):
             return None
         implementation = LLN_IMPLEMENTATIONS[implementation_for(LLN_IMPLEMENTATIONS, self.impl, like)]
         return implementation if hasattr(implementation, "lln_scales") else None
 
-    def _scales(self, like: Tensor, kernels, moments: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def _scales(self, like: Tensor, kernels, moments: Optional[Tensor] = None,
+                record: Optional[Tuple[Tensor, bool]] = None) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of moments (5, G) or, without them, the EMA buffers: one
-        launch of ``kernels.lln_scales`` (``_kernels(like)``) if given, else ``_match``'s two dozen."""
+        launch of ``kernels.lln_scales`` (``_kernels(like)``) if given, else ``_match``'s two dozen. ``record``
+        (with kernels): a training forward's moments as ``_recorded`` gives them, recorded by the same launch
+        (``kernels.lln_scales_recorded``: the buffers read before the fold writes them)."""
         if kernels is None:
             var = torch.stack([self.ema_var_q, self.ema_var_k]) if moments is None else self._variances(moments)[0]
             return self._match(var, like)
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
-        stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
-        self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = stats.unbind(0)
+        if record is None:
+            stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
+        else:
+            batches = self.running_batches if self.stats == "batch" else None
+            stats, ab = kernels.lln_scales_recorded(
+                first, second, record[0], *self._folded_into(), batches, self.pending_moments if record[1] else None,
+                self.a, self.b, self.max_scale, self.ema_momentum, compute_dtype(like))
+        self._keep_last(stats.unbind(0))
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
+
+    def _keep_last(self, values: Tuple[Tensor, ...]) -> None:
+        """``LAST``'s values set, straight into the instance's attributes (they are no parameters, buffers or
+        modules: ``nn.Module.__setattr__`` costs the host about 3 µs each to find that out), one by one under
+        ``torch.compile`` (``LAST``)."""
+        if torch.compiler.is_compiling():
+            self.last_sigma_q, self.last_sigma_k, self.last_alpha, self.last_beta, self.last_tau = values
+        else:
+            self.__dict__.update(zip(LAST, values))
 
     def _match(self, var: Tensor, like: Tensor) -> Tuple[Tensor, Tensor]:
         """alpha, beta (as ``forward``) from the variances of q and k stacked (2, ...)."""
@@ -269,9 +290,12 @@ class MomentMatcher(nn.Module):
         kernels = self._kernels(q)
         if self.stats == "batch":
             if self.training:
-                moments = self._training_moments(q, k, key_padding_mask)
+                moments = self._training_moments(q, k, key_padding_mask, kernels)
+                if trained_on and kernels is not None:  # recorded by the scales' launch
+                    record = self._recorded(moments)
+                    return self._scales(q, kernels, record[0], record)
                 if trained_on:
-                    moments = self._record(moments, kernels)
+                    moments = self._record(moments)
                 return self._scales(q, kernels, moments)
             # eval: the running statistics; before any training batch (a model not trained yet, or a checkpoint
             # saved before they were kept, whose load logs the buffers it starts fresh) each sequence's own.
@@ -279,30 +303,40 @@ class MomentMatcher(nn.Module):
             own = self._variances(self._moments(q, k, key_padding_mask, per_sequence=True))[0]
             running = torch.stack([self.running_var_q, self.running_var_k]).to(_F64)[:, None]
             return self._match(torch.where(self.running_batches > 0, running, own), like=q)
-        # the value from before this batch (computed first: the fold below updates the buffers in place)
-        alpha_beta = self._scales(q, kernels)
         # fold the batch in only on a forward that will be trained on: under activation checkpointing
         # the first pass runs without grad and the recomputation in backward must see the same buffer
+        if trained_on and kernels is not None:  # the value from before this batch, and its fold, in one launch
+            return self._scales(q, kernels, record=self._recorded(self._training_moments(q, k, key_padding_mask,
+                                                                                         kernels)))
+        # the value from before this batch (computed first: the fold below updates the buffers in place)
+        alpha_beta = self._scales(q, kernels)
         if trained_on:
-            self._record(self._training_moments(q, k, key_padding_mask), kernels)
+            self._record(self._training_moments(q, k, key_padding_mask, kernels))
         return alpha_beta
 
-    def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def _training_moments(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], kernels) -> Tensor:
         """``_moments`` of a training forward; none (variance 1) inside ``statistics_left_out``."""
-        moments = self._moments(q, k, key_padding_mask)
+        moments = self._moments(q, k, key_padding_mask, kernels=kernels)
         return torch.zeros_like(moments) if _FLAGS.statistics_left_out else moments
 
-    def _record(self, moments: Tensor, kernels) -> Tensor:
-        """A training forward's moments: pending (``folds_deferred``: returned as they are, the rank's own) or folded
-        now (in one launch of ``kernels.fold_moments`` if given), all-reduced first when torch.distributed is
-        initialised (returned all-reduced)."""
+    def _recorded(self, moments: Tensor) -> Tuple[Tensor, bool]:
+        """A training forward's moments as recorded and whether they wait in ``pending_moments``
+        (``folds_deferred``: the rank's own) rather than being folded now (all-reduced first when torch.distributed
+        is initialised)."""
         if _FLAGS.folds_deferred:
-            self.pending_moments.add_(moments)
-            return moments
+            return moments, True
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             moments = moments.clone()
             dist.all_reduce(moments)
-        self._fold_moments(moments, kernels)
+        return moments, False
+
+    def _record(self, moments: Tensor) -> Tensor:
+        """``_recorded``'s moments added to ``pending_moments`` or folded now; returned."""
+        moments, pending = self._recorded(moments)
+        if pending:
+            self.pending_moments.add_(moments)
+        else:
+            self._fold_moments(moments)
         return moments
 
     def fold_pending(self) -> None:
@@ -310,15 +344,15 @@ class MomentMatcher(nn.Module):
         self._fold_moments(self.pending_moments)
         self.pending_moments.zero_()
 
-    def _fold_moments(self, moments: Tensor, kernels=None) -> None:
-        """``_fold`` the variances of moments (5, G) into the running statistics (in one launch of
-        ``kernels.fold_moments`` if given: ``_kernels``)."""
-        batch = self.stats == "batch"
-        bufs = (self.running_var_q, self.running_var_k) if batch else (self.ema_var_q, self.ema_var_k)
-        if kernels is not None:
-            kernels.fold_moments(moments, *bufs, self.running_batches if batch else None, self.ema_momentum)
-        else:
-            self._fold(*self._variances(moments), *bufs)
+    def _fold_moments(self, moments: Tensor) -> None:
+        """``_fold`` the variances of moments (5, G) into the running statistics."""
+        self._fold(*self._variances(moments), *self._folded_into())
+
+    def _folded_into(self) -> Tuple[Tensor, Tensor]:
+        """The running variances of q and k a fold updates: the batch statistics' or the EMA's."""
+        if self.stats == "batch":
+            return self.running_var_q, self.running_var_k
+        return self.ema_var_q, self.ema_var_k
 
     def _fold(self, batch: Tensor, count: Tensor, buf_q: Tensor, buf_k: Tensor) -> None:
         """buf <- m buf + (1 - m) batch (``batch``: q's and k's stacked); ``batch`` stats: the running statistics'

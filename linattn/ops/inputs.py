@@ -1,5 +1,6 @@
 """Argument checks shared by the ops: q, k, v (B,H,N,D), key padding masks (B,S), positive ints and scales.
 Every error names the argument and what was expected."""
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -63,23 +64,20 @@ def check_positive_scale(name: str, value, q: Tensor) -> Tensor:
 def check_positive_scales(q: Tensor, *, per_head: bool = False, **scales) -> Tuple[Tensor, ...]:
     """``check_positive_scale`` of each named scale, the values of those given as tensors checked by one device
     assertion (four launches, whatever their number). A forward runs this every time: the shapes are checked by hand
-    (``torch.broadcast_shapes`` costs the host more than the rest). ``per_head``: where every scale is a tensor (none
-    learnt), each is returned as a contiguous (B, H, 1, 1) part of one stack, which is what the assertion checks (the
-    fused kernels read one value a head: no stack of their own)."""
+    once per shape (``_scale_shape``; ``torch.broadcast_shapes`` costs the host more than the rest). ``per_head``:
+    where every scale is a tensor (none learnt), each is returned as a contiguous (B, H, 1, 1) part of one stack,
+    which is what the assertion checks (the fused kernels read one value a head: no stack of their own)."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads = q.shape[:2]
+    compiling = torch.compiler.is_compiling()  # traced once: the functions themselves (Dynamo warns of a cache)
+    scale_shape, message = (_scale_shape.__wrapped__, _message.__wrapped__) if compiling else (_scale_shape, _message)
     checked, on_device = [], []
     for name, value in scales.items():
         t = value
         if not (isinstance(value, Tensor) and value.dtype == dtype and value.device == q.device):
             t = torch.as_tensor(value, dtype=dtype, device=q.device)
-        if t.dim() > 4:
-            raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
-        t4 = t if t.dim() == 4 else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-        if any(s != 1 and n != 1 and s != n for s, n in zip(t4.shape[:2], q.shape[:2])):
-            raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1) = {(q.shape[0], q.shape[1], 1, 1)}, "
-                             f"got shape {tuple(t.shape)}")
-        if t4.shape[-1] != 1 or t4.shape[-2] != 1:
-            raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(t.shape)}")
+        shape = scale_shape(name, t.shape, heads)
+        t4 = t if t.dim() == 4 else t.reshape(shape)
         if not isinstance(value, Tensor):
             if not (math.isfinite(float(value)) and float(value) > 0):  # a Python number: checked on the host
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
@@ -87,11 +85,33 @@ def check_positive_scales(q: Tensor, *, per_head: bool = False, **scales) -> Tup
             on_device.append((name, t4))
         checked.append(t4)
     if on_device:  # checked on the device, no host sync (RuntimeError with this text)
-        names = " or ".join(f"{name} must be finite and > 0" for name, _ in on_device)
+        names = message(tuple(name for name, _ in on_device))
         if per_head and len(on_device) == len(checked) and not any(t.requires_grad for t in checked):
-            t = torch.stack([t.expand(q.shape[0], q.shape[1], 1, 1) for t in checked])
+            full = (*heads, 1, 1)
+            t = torch.stack([t if t.shape == full else t.expand(full) for t in checked])
             checked = list(t.unbind(0))
         else:
             t = on_device[0][1] if len(on_device) == 1 else torch.cat([t.detach().reshape(-1) for _, t in on_device])
         torch._assert_async(t.detach().nan_to_num(0.0, 0.0).gt(0).all(), names)  # NaN and inf made 0: not > 0
     return tuple(checked)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scale_shape(name: str, shape: torch.Size, heads: torch.Size) -> Tuple[int, ...]:
+    """The 4-D shape (B|1, H|1, 1, 1) a scale named ``name`` of ``shape`` takes against q's (B, H) ``heads``; a
+    ValueError naming it where it is not broadcastable to (B, H, 1, 1)."""
+    if len(shape) > 4:
+        raise ValueError(f"{name} must be a float or broadcastable to (B, H, 1, 1), got shape {tuple(shape)}")
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    if any(s != 1 and n != 1 and s != n for s, n in zip(shape4[:2], heads)):
+        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1) = {(heads[0], heads[1], 1, 1)}, "
+                         f"got shape {tuple(shape)}")
+    if shape4[-1] != 1 or shape4[-2] != 1:
+        raise ValueError(f"{name} must be broadcastable to (B, H, 1, 1), got shape {tuple(shape)}")
+    return shape4
+
+
+@functools.lru_cache(maxsize=64)
+def _message(names: Tuple[str, ...]) -> str:
+    """The device assertion's message for the scales ``names``."""
+    return " or ".join(f"{name} must be finite and > 0" for name in names)

@@ -202,6 +202,18 @@ def test_lln_rejects_bad_input(impl):
         ops.lln_attention(q, q[:, :, :3], q[:, :, :3], 1.0, 1.0, causal=True, impl=impl)
 
 
+def test_scale_shapes_are_checked_once_per_shape_and_heads():
+    """A scale's shape is checked once per shape and q's (B, H) (``inputs._scale_shape``): a shape met before
+    against other heads, or another shape, is still refused."""
+    q2, q3 = torch.randn(1, 2, 5, 4), torch.randn(1, 3, 5, 4)
+    two = torch.full((1, 2, 1, 1), 0.5)
+    ops.lln_attention(q2, q2, q2, two, two, impl="parallel")
+    with pytest.raises(ValueError, match="alpha must be broadcastable"):
+        ops.lln_attention(q3, q3, q3, two, 0.5, impl="parallel")
+    with pytest.raises(ValueError, match="beta must be broadcastable"):
+        ops.lln_attention(q2, q2, q2, two, two.view(1, 1, 2, 1), impl="parallel")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
 @pytest.mark.parametrize("which", ["alpha", "beta"])
 def test_tensor_scales_are_checked_on_the_device_in_one_assertion(which, bad):

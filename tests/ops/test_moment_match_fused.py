@@ -1,19 +1,20 @@
-"""LLN's moment matching after the token sums in two one-program kernels (``ops/triton/moment_match.py``, run by
+"""LLN's moment matching after the token sums in one-program kernels (``ops/triton/moment_match.py``, run by
 Triton's interpreter) against the moment matcher's own float64 arithmetic (``_variances``, ``_match``, ``_fold``):
 groups clamped at each limit, without entries, non-finite; and the matcher with ``--attention-impl fused`` against
-``parallel`` over training steps, in two launches a forward."""
+``parallel`` over training steps, in one launch a forward after the token sums."""
+import contextlib
 import math
 
 import pytest
 import torch
 from helpers import padding_mask
 
-from fairseq_linattn.modules.moment_matcher import MomentMatcher
+from fairseq_linattn.modules.moment_matcher import MomentMatcher, folds_deferred
 from linattn.ops.moment_matching import MIN_SIGMA
 from linattn_tools.benchmark.dispatch import count_dispatch
 
 pytest.importorskip("triton", minversion="3.9")
-from linattn.ops.triton.moment_match import fold_moments, lln_scales  # noqa: E402
+from linattn.ops.triton.moment_match import lln_scales, lln_scales_recorded  # noqa: E402
 
 F64 = torch.float64
 SQRT_ULPS = dict(rtol=2**-48, atol=0, equal_nan=True)  # 16 ulps: PyTorch's CPU float64 sqrt, rsqrt are ulps off
@@ -79,7 +80,8 @@ def test_scales_are_the_matchers_arithmetic(gen, g, source, max_scale):
 @pytest.mark.parametrize("folded", [0, 3])
 def test_fold_is_the_matchers_fold(gen, g, stats, folded):
     """The float32 buffers bit for bit, and the batch count: a group without entries or with a non-finite variance
-    keeps its value, and the running statistics count a batch only if every group folded."""
+    keeps its value, and the running statistics count a batch only if every group folded; the scales of the same
+    launch read the buffers as they were before it (the EMA's) or the moments (the batch statistics')."""
     m = matcher(g, stats, ema_momentum=0.9)
     names = ("running_var_q", "running_var_k") if stats == "batch" else ("ema_var_q", "ema_var_k")
     for name in names:
@@ -89,7 +91,12 @@ def test_fold_is_the_matchers_fold(gen, g, stats, folded):
     mom = moments(gen, g)
     before = [getattr(m, name).clone() for name in names]
     batches = m.running_batches.clone() if stats == "batch" else None
-    fold_moments(mom, *before, batches, m.ema_momentum)
+    first, second = (mom, mom) if stats == "batch" else before
+    want = lln_scales(first.clone(), second.clone(), m.a, m.b, m.max_scale, torch.float32)
+    got = lln_scales_recorded(first, second, mom, *before, batches, None, m.a, m.b, m.max_scale, m.ema_momentum,
+                              torch.float32)
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
     m._fold_moments(mom)
     for got, name in zip(before, names):
         assert torch.equal(got, getattr(m, name)), name
@@ -98,10 +105,12 @@ def test_fold_is_the_matchers_fold(gen, g, stats, folded):
 
 
 @pytest.mark.parametrize("stats", ["ema", "batch"])
-@pytest.mark.parametrize("per_head", [False, True])
-def test_fused_matcher_trains_as_parallel_in_two_launches(gen, stats, per_head):
-    """Three training forwards of padded half q, k and an eval forward: the same alpha, beta and buffers as the
-    ``parallel`` matcher's, with ``lln_scales`` once a forward and ``fold_moments`` once a training forward."""
+@pytest.mark.parametrize("per_head, deferred", [(False, False), (True, False), (True, True)])
+def test_fused_matcher_trains_as_parallel_in_two_launches(gen, stats, per_head, deferred):
+    """Three training forwards of padded half q, k and an eval forward: the same alpha, beta and buffers (the
+    pending moments too, ``folds_deferred``) as the ``parallel`` matcher's, with the token rows and one launch
+    after them a forward: ``lln_scales_recorded`` a training forward (its fold, or its moments' add to the pending
+    ones, in the scales' launch), ``lln_scales`` the EMA's eval forward."""
     q, k = ((s * torch.randn(4, 3, 4, 33, 16, generator=gen) + 0.2).half() for s in (2.0, 0.7))
     masks = [padding_mask(3, 33, side, gen) for side in ("left", "right", "left")]
     fused, parallel = (MomentMatcher(head_dim=16, num_heads=4, per_head=per_head, stats=stats, impl=impl).train()
@@ -109,11 +118,12 @@ def test_fused_matcher_trains_as_parallel_in_two_launches(gen, stats, per_head):
     for step in range(4):
         if step == 3:
             fused.eval(), parallel.eval()
-        with count_dispatch() as counts:
+        with count_dispatch() as counts, folds_deferred() if deferred else contextlib.nullcontext():
             got = fused(q[step], k[step], masks[step % 3])
-        want = parallel(q[step], k[step], masks[step % 3])
-        assert counts.ops["lln_scales"] == (stats == "ema" or step < 3)  # eval batch statistics: the matcher's own
-        assert counts.ops["fold_moments"] == (step < 3)
+        with folds_deferred() if deferred else contextlib.nullcontext():
+            want = parallel(q[step], k[step], masks[step % 3])
+        assert counts.ops["lln_scales"] == (stats == "ema" and step == 3)  # eval batch statistics: the matcher's own
+        assert counts.ops["lln_scales_recorded"] == (step < 3) and counts.ops["add_"] == 0
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
         for name in ("last_alpha", "last_beta", "last_tau"):

@@ -130,3 +130,27 @@ def test_packed_siblings_are_read_in_place_and_their_gradients_go_into_one_tenso
     assert grads_of(*op_grads(*grads, stand_in), 4) == tuple(grads)
     fairseq, strides, got = each_in_layout(q, fairseq_layout(k)[0], grad)
     assert strides == (12, 4, 12) and got[0] is q and got[2] is grad
+
+
+def test_walk_grid_is_kept_per_shape_and_launch_settings(monkeypatch):
+    """``walk_grid`` works its launches out once per shape and launch settings (``common._launch_key``): the same
+    shape under another SPLIT (``LINATTN_TRITON_LAUNCH``, or a replaced table), backward, or another length gets its
+    own walks; the settings it hands out are read-only (one answer shared by every call)."""
+    from linattn.ops.triton import common
+
+    shape = (1, 2, 64, 16, 16, 8)  # 8 chunks: one segment at LAUNCH's SPLIT
+    before = common.walk_grid(*shape)
+    assert before[1].seg == 8 and common.walk_grid(1, 2, 128, 16, 16, 8)[1].seg == 16
+    grad_walk = launch("lln_causal_grad_states", 16)
+    del grad_walk["SPLIT"]
+    assert common.walk_grid(*shape, backward=True)[1].settings == grad_walk
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"SPLIT": 2}}))
+    assert common.walk_grid(*shape)[1].seg == 2
+    monkeypatch.delenv("LINATTN_TRITON_LAUNCH")
+    walk = {**common.LAUNCH["lln_causal_states"], "SPLIT": 4}
+    monkeypatch.setattr(common, "LAUNCH", {**common.LAUNCH, "lln_causal_states": walk})
+    assert common.walk_grid(*shape)[1].seg == 4
+    monkeypatch.undo()
+    assert common.walk_grid(*shape) == before
+    with pytest.raises(TypeError):
+        before[1].settings["BF"] = 1

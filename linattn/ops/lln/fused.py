@@ -6,7 +6,7 @@ as half by the kernels (fp32 accumulation). The shifts are the parallel implemen
 (``parallel._causal_shifts``), computed by the kernels from the half inputs, so the stabilisation, and the causal
 op's independence of future tokens, are unchanged. ``SUPPORT`` and ``not_supported_reasons`` say which inputs the
 kernels take (``impls.implementation_for`` refuses the others). The moment matcher's kernels are this
-implementation's too: ``token_moments``, ``lln_scales`` and ``fold_moments`` (``triton/token_moments.py``,
+implementation's too: ``token_moments``, ``lln_scales`` and ``lln_scales_recorded`` (``triton/token_moments.py``,
 ``triton/moment_match.py``; docs/design.md §3.1), run where LLN runs fused.
 """
 from typing import List, Optional, Tuple
@@ -102,8 +102,11 @@ def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: flo
     return scales(first, second, a, b, max_scale, dtype)
 
 
-def fold_moments(moments: Tensor, buf_q: Tensor, buf_k: Tensor, batches: Optional[Tensor], momentum: float) -> None:
-    """The moment matcher's fold of moments (5,G) into its running variances in one launch
-    (``triton/moment_match.py``)."""
-    from ..triton.moment_match import fold_moments as fold
-    fold(moments, buf_q, buf_k, batches, momentum)
+def lln_scales_recorded(first: Tensor, second: Tensor, moments: Tensor, buf_q: Tensor, buf_k: Tensor,
+                        batches: Optional[Tensor], pending: Optional[Tensor], a: float, b: float, max_scale: float,
+                        momentum: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``lln_scales`` and, in the same launch, a training forward's moments (5,G) recorded: added to ``pending``
+    if given, else folded into the running variances ``buf_q``, ``buf_k`` (``batches``: the running statistics'
+    count, else an EMA of ``momentum``), which the scales read as they were before (``triton/moment_match.py``)."""
+    from ..triton.moment_match import lln_scales_recorded as recorded
+    return recorded(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum, dtype)

@@ -7,7 +7,8 @@ NumPy >= 2.4), so the tests need Triton >= 3.9, while a GPU runs any Triton its 
 import functools
 import json
 import os
-from typing import NamedTuple, Optional, Tuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -88,8 +89,14 @@ def launch(kernel: str, d: int, dv: int = 0) -> dict:
     "x3") as the kernel's ``WIDE`` (``wide_dot``: 0 exact fp32, 1 tf32, 3 tf32x3; 2 and 4 the same emulated under
     Triton's interpreter). Worked out once per kernel, sizes, ``LINATTN_TRITON_LAUNCH`` value and table (every
     kernel call asks)."""
-    return dict(_settings(kernel, d, dv, os.environ.get("LINATTN_TRITON_LAUNCH", "{}"),
-                          os.environ.get("TRITON_INTERPRET") == "1", id(LAUNCH), id(LAUNCH_128), id(INTERPRETED)))
+    return dict(_settings(kernel, d, dv, *_launch_key()))
+
+
+def _launch_key() -> tuple:
+    """What launch settings read besides the kernel and sizes: ``LINATTN_TRITON_LAUNCH``, whether under Triton's
+    interpreter, and the ids of the tables (a table replaced, as a test does, is another key)."""
+    return (os.environ.get("LINATTN_TRITON_LAUNCH", "{}"), os.environ.get("TRITON_INTERPRET") == "1",
+            id(LAUNCH), id(LAUNCH_128), id(INTERPRETED))
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,7 +125,7 @@ class Walk(NamedTuple):
     grid: Tuple[int, int, int]
     steps: int
     seg: int
-    settings: dict
+    settings: Mapping
 
 
 def walk_grid(b: int, h: int, n: int, d: int, dv: int, chunk: int, backward: bool = False) -> Tuple[Walk, Walk]:
@@ -127,7 +134,14 @@ def walk_grid(b: int, h: int, n: int, d: int, dv: int, chunk: int, backward: boo
     segment, block of BF features and block of BV value columns: the ends (each segment walked from a zero state, its
     end stored: every segment but the last, or the first backward, which no other segment reads; none if one) and
     the walk (each segment from its carry over the ends before it, or after it backward: a step a segment, then a
-    step a chunk). A fixed count of launches whatever n; the wrappers launch these grids."""
+    step a chunk). A fixed count of launches whatever n; the wrappers launch these grids. Worked out once per shape
+    and launch settings (``_launch_key``); the settings read-only."""
+    return _walks(b, h, n, d, dv, chunk, backward, *_launch_key())
+
+
+@functools.lru_cache(maxsize=1024)
+def _walks(b: int, h: int, n: int, d: int, dv: int, chunk: int, backward: bool, *key) -> Tuple[Walk, Walk]:
+    """``walk_grid``'s launches; ``key``: ``_launch_key()``, read by ``launch`` again."""
     ends = launch("lln_causal_grad_ends" if backward else "lln_causal_ends", d, dv)
     walk = launch("lln_causal_grad_states" if backward else "lln_causal_states", d, dv)
     nc = cdiv(n, chunk)
@@ -135,6 +149,7 @@ def walk_grid(b: int, h: int, n: int, d: int, dv: int, chunk: int, backward: boo
     if seg < 1:
         raise ValueError(f"SPLIT must be 1 or more chunks, got {seg}")
     nseg = cdiv(nc, seg)
+    ends, walk = MappingProxyType(ends), MappingProxyType(walk)
     return (Walk((b * h * (nseg - 1), cdiv(d, ends["BF"]), cdiv(dv, ends["BV"])), seg if nseg > 1 else 0, seg, ends),
             Walk((b * h * nseg, cdiv(d, walk["BF"]), cdiv(dv, walk["BV"])), nseg - 1 + seg, seg, walk))
 

@@ -1,8 +1,9 @@
-"""LLN's moment matching after the token sums, in two launches of one program each (LLN §4.1, docs/design.md §3.1):
-``linattn::lln_scales`` (variances -> sigma, alpha, beta, tau) and ``linattn::fold_moments`` (a batch's moments into
-the running statistics). The same float64 arithmetic as ``ops/moment_matching.py`` and the moment matcher's
-``_variances``, ``_match`` and ``_fold``, whose two dozen launches of (2, G) tensors each a training forward ran.
-Modes ``paper`` and ``fit`` (a line a x + b); ``exact`` and ``off`` stay with the matcher's own code.
+"""LLN's moment matching after the token sums, in one launch of one program (LLN §4.1, docs/design.md §3.1):
+``linattn::lln_scales`` (variances -> sigma, alpha, beta, tau) and, a training forward, ``linattn::lln_scales_recorded``
+(the same, and the batch's moments folded into the running statistics, or added to the pending ones, in the same
+program). The same float64 arithmetic as ``ops/moment_matching.py`` and the moment matcher's ``_variances``,
+``_match`` and ``_fold``, whose two dozen launches of (2, G) tensors each a training forward ran. Modes ``paper``
+and ``fit`` (a line a x + b); ``exact`` and ``off`` stay with the matcher's own code.
 """
 from typing import Optional, Tuple
 
@@ -51,13 +52,11 @@ def _variances(moments_ptr, g, ok, G):
 
 
 @triton.jit
-def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, G, A: tl.constexpr, B: tl.constexpr, MAX_SCALE: tl.constexpr,
-            MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
-    """stats (5, G) float64: sigma q, sigma k, alpha, beta, tau; ab (2, G) in its dtype: alpha, beta. The variances
-    are those of moments (5, G) at ``first_ptr`` (MOMENTS) or the buffers var q, var k (G,) at ``first_ptr``,
-    ``second_ptr``."""
-    g = tl.arange(0, BLOCK)
-    ok = g < G
+def _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, g, ok, G, A: tl.constexpr, B: tl.constexpr,
+                  MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr):
+    """stats (5, G) float64: sigma q, sigma k, alpha, beta, tau; ab (2, G) in its dtype: alpha, beta, of groups g.
+    The variances are those of moments (5, G) at ``first_ptr`` (MOMENTS) or the buffers var q, var k (G,) at
+    ``first_ptr``, ``second_ptr``."""
     if MOMENTS:
         vq, vk, _ = _variances(first_ptr, g, ok, G)
     else:
@@ -81,13 +80,10 @@ def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, G, A: tl.constexpr, B: tl.
 
 
 @triton.jit
-def _fold(moments_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, BATCH: tl.constexpr,
-          BLOCK: tl.constexpr):
-    """buf <- m buf + (1 - m) var for each group whose variances are finite and that has entries (bq_ptr, bk_ptr: the
-    float32 buffers (G,)); BATCH: m = min(1 - 1 / (n + 1), momentum) with n the batches folded (int64 at
+def _fold_groups(moments_ptr, bq_ptr, bk_ptr, batches_ptr, g, ok, G, MOMENTUM: tl.constexpr, BATCH: tl.constexpr):
+    """buf <- m buf + (1 - m) var for the groups g whose variances are finite and that have entries (bq_ptr, bk_ptr:
+    the float32 buffers (G,)); BATCH: m = min(1 - 1 / (n + 1), momentum) with n the batches folded (int64 at
     ``batches_ptr``), counted on when every group folded."""
-    g = tl.arange(0, BLOCK)
-    ok = g < G
     vq, vk, count = _variances(moments_ptr, g, ok, G)
     finite = (vq < float("inf")) & (vk < float("inf")) & (count > 0)
     m = _f64(MOMENTUM)
@@ -101,16 +97,31 @@ def _fold(moments_ptr, bq_ptr, bk_ptr, batches_ptr, G, MOMENTUM: tl.constexpr, B
     tl.store(bk_ptr + g, tl.where(finite, m * old_k + (1 - m) * vk, old_k).to(bk_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, moments_ptr, bq_ptr, bk_ptr, batches_ptr, pending_ptr, G,
+            A: tl.constexpr, B: tl.constexpr, MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr, FOLD: tl.constexpr,
+            PENDING: tl.constexpr, MOMENTUM: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """``_scale_groups`` of every group, then (FOLD) the moments (5, G) at ``moments_ptr`` folded into the buffers
+    (``_fold_groups``), or (PENDING) added to the pending moments (5, G) float64 at ``pending_ptr``. The scales read
+    the buffers before the fold writes them: the same lanes load and store each group."""
+    g = tl.arange(0, BLOCK)
+    ok = g < G
+    _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, g, ok, G, A, B, MAX_SCALE, MOMENTS)
+    if FOLD:
+        _fold_groups(moments_ptr, bq_ptr, bk_ptr, batches_ptr, g, ok, G, MOMENTUM, BATCH)
+    if PENDING:
+        for i in tl.static_range(5):
+            at = pending_ptr + i * G + g
+            tl.store(at, tl.load(at, mask=ok) + tl.load(moments_ptr + i * G + g, mask=ok), mask=ok)
+
+
 @kernel_op("lln_scales")
 def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
                ) -> Tuple[Tensor, Tensor]:
     """Moments (5, G) float64 (``second`` unused) or the buffers var q, var k (G,) -> stats (5, G) float64 (sigma q,
     sigma k, alpha, beta, tau) and (alpha, beta) (2, G) in ``dtype``."""
     stats, ab = _empty(first, dtype)
-    moments = first.dim() == 2
-    g = first.shape[-1]
-    _scales[(1,)](first, second, stats, ab, g, A=a, B=b, MAX_SCALE=max_scale, MOMENTS=moments,
-                  BLOCK=next_power_of_2(g), **launch("lln_moment_scales", 0))
+    _launch(first, second, stats, ab, None, None, None, None, None, a, b, max_scale, 0.0)
     return stats, ab
 
 
@@ -119,20 +130,36 @@ def _(first, second, a, b, max_scale, dtype):
     return _empty(first, dtype)
 
 
+@kernel_op("lln_scales_recorded", mutates_args=("buf_q", "buf_k", "batches", "pending"))
+def lln_scales_recorded(first: Tensor, second: Tensor, moments: Tensor, buf_q: Tensor, buf_k: Tensor,
+                        batches: Optional[Tensor], pending: Optional[Tensor], a: float, b: float, max_scale: float,
+                        momentum: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``lln_scales`` of ``first``, ``second`` and, in the same program, a training forward's moments (5, G)
+    float64 recorded: added to ``pending`` (5, G) float64 if given, else folded into the float32 buffers buf_q,
+    buf_k (G,) in place, the running statistics with ``batches`` (the int64 count of batches folded), else an EMA
+    (``momentum``). The scales read the buffers as they were before the fold."""
+    stats, ab = _empty(first, dtype)
+    _launch(first, second, stats, ab, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum)
+    return stats, ab
+
+
+@torch.library.register_fake(lln_scales_recorded)
+def _(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum, dtype):
+    return _empty(first, dtype)
+
+
+def _launch(first: Tensor, second: Tensor, stats: Tensor, ab: Tensor, moments: Optional[Tensor],
+            buf_q: Optional[Tensor], buf_k: Optional[Tensor], batches: Optional[Tensor], pending: Optional[Tensor],
+            a: float, b: float, max_scale: float, momentum: float) -> None:
+    """``_scales`` in one program: recording ``moments`` (added to ``pending`` or folded into buf_q, buf_k) where
+    they are given (LAUNCH's ``lln_moment_fold`` then, else ``lln_moment_scales``)."""
+    g = first.shape[-1]
+    _scales[(1,)](first, second, stats, ab, moments, buf_q, buf_k, batches, pending, g, A=a, B=b,
+                  MAX_SCALE=max_scale, MOMENTS=first.dim() == 2, FOLD=moments is not None and pending is None,
+                  PENDING=pending is not None, MOMENTUM=momentum, BATCH=batches is not None,
+                  BLOCK=next_power_of_2(g), **launch("lln_moment_scales" if moments is None else "lln_moment_fold", 0))
+
+
 def _empty(first: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     g = first.shape[-1]
     return first.new_empty((5, g), dtype=torch.float64), first.new_empty((2, g), dtype=dtype)
-
-
-@kernel_op("fold_moments", mutates_args=("buf_q", "buf_k", "batches"))
-def fold_moments(moments: Tensor, buf_q: Tensor, buf_k: Tensor, batches: Optional[Tensor], momentum: float) -> None:
-    """Fold moments (5, G) float64 into the float32 buffers buf_q, buf_k (G,) in place (``_fold``): the running
-    statistics with ``batches`` (the int64 count of batches folded), else an EMA."""
-    g = moments.shape[-1]
-    _fold[(1,)](moments, buf_q, buf_k, batches, g, MOMENTUM=momentum, BATCH=batches is not None,
-                BLOCK=next_power_of_2(g), **launch("lln_moment_fold", 0))
-
-
-@torch.library.register_fake(fold_moments)
-def _(moments, buf_q, buf_k, batches, momentum):
-    return None
