@@ -243,20 +243,27 @@ def cdiv(a: int, b: int) -> int:
 
 def emulate_half_dot(dtype: torch.dtype) -> bool:
     """Whether ``half_dot`` multiplies its rounded operands in fp32: under Triton's interpreter (3.6 to 3.9 at
-    least) a bf16 ``tl.dot`` multiplies the raw bits as integers; a product of two halves is exact in fp32."""
+    least) a bf16 ``tl.dot`` multiplies the raw bits as integers, and fp32 -> bf16 truncates (a GPU rounds to
+    nearest); a product of two halves is exact in fp32."""
     return os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
 
 
 @triton.jit
 def half_dot(a, b, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
     """a (M,K) @ b (K,N) with both rounded to HALF_TY (tensor cores on a GPU), accumulated in fp32; for operands
-    bounded in magnitude (features <= 1 after their shifts, values as given)."""
-    a = a.to(HALF_TY)
-    b = b.to(HALF_TY)
+    bounded in magnitude (features <= 1 after their shifts, values as given, normalised states). EMULATE: bf16's
+    rounding to nearest by bit arithmetic (``_round_bf16``), the products in fp32."""
     if EMULATE:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, out_dtype=tl.float32)
+        return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a.to(HALF_TY), b.to(HALF_TY), out_dtype=tl.float32)
+
+
+@triton.jit
+def _round_bf16(x):
+    """Finite fp32 x rounded to bf16's 7-bit mantissa, to nearest (ties to even, as PTX's cvt.rn.bf16.f32), kept in
+    fp32: Triton's interpreter truncates the conversion."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
