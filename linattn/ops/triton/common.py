@@ -36,8 +36,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_grads": dict(BF=32, num_warps=8, num_stages=1, TF32=True),
           "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=8, num_stages=1, TF32=True),
-          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2, TF32=True),
+          "lln_noncausal_readout": dict(num_warps=8, num_stages=1),
+          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
           "lln_noncausal_rows_grad": dict(num_warps=8, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
           "block_softmax_backward": dict(num_warps=8, num_stages=1, TF32=True),
@@ -61,7 +61,7 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # Fused kernels' registers, D = 128)
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
               "lln_causal_value_grads": dict(num_warps=8),
-              "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
+              "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=16),
               "lavo_memory": dict(num_warps=8)}
 
 # Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size (and a call
