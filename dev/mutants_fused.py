@@ -107,7 +107,7 @@ FUSED_MUTANTS = [
       '        if self.mode not in ("paper", "fit"):\n            return None\n', "",
       "the modes without the line a x + b (exact, off) run the kernels' arithmetic", MATCH_T),
     M("triton-noncausal-bwd-no-output", OPS + "triton/lln_noncausal_backward.py",
-      "-tl.sum(gr * out, 1) * (scale / den)", "0.0 * tl.sum(gr * out, 1)",
+      "tl.sum(gr * out, 1), 1.0 / den", "0.0 * tl.sum(gr * out, 1), 1.0 / den",
       "the backward leaves out the output's part of go (the denominator's gradient), reading no saved output",
       ("tests/ops/test_lln_fused.py",)),
     M("triton-causal-bwd-unscaled-grad", OPS + "triton/lln_causal_backward.py",

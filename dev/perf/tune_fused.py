@@ -38,8 +38,8 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "lln_causal_grad_states": [dict(num_warps=8), dict(BF=32), dict(BV=32), EXACT, TF32X3],
     "lln_causal_grads": [dict(BF=32, num_warps=8), dict(BF=32), dict(num_stages=2), EXACT, TF32X3],
     "lln_noncausal_state": [dict(num_warps=8), dict(num_stages=3)],
-    "lln_noncausal_readout": [dict(num_warps=8), EXACT, TF32X3],
-    "lln_noncausal_state_grad": [dict(num_warps=8), EXACT, TF32X3, dict(num_stages=3)],
+    "lln_noncausal_readout": [dict(num_warps=4)],  # its products take bounded half operands: no TF32 setting
+    "lln_noncausal_state_grad": [dict(num_warps=4), dict(num_stages=3)],
     "lln_noncausal_rows_grad": [dict(num_warps=8), EXACT, TF32X3],
     "block_softmax": [dict(num_warps=8), dict(num_stages=2)],
     "block_softmax_backward": [dict(num_warps=8), EXACT, TF32X3],

@@ -38,8 +38,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_grads": dict(BF=16, num_warps=4, num_stages=1, TF32=True),
           "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=4, num_stages=1, TF32=True),
-          "lln_noncausal_state_grad": dict(num_warps=4, num_stages=2, TF32=True),
+          "lln_noncausal_readout": dict(num_warps=8, num_stages=1),
+          "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
           "lln_noncausal_rows_grad": dict(num_warps=4, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
           "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=True),
@@ -60,16 +60,17 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
 # memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
 # over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
-# Fused kernels' registers, D = 128). At D = 64 LAUNCH keeps a 64-row tile's kernels on 4 warps: two blocks an SM
-# (at most 255 registers a thread), and no product replicated across warpgroups (at 8 warps a chained product's
-# 64 rows are held and computed by both: docs/design.md §1.3.1, *Replicated products*).
+# Fused kernels' registers, D = 128). At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM:
+# on 4 warps (at most 255 registers a thread, and no product replicated across warpgroups: at 8 warps a chained
+# product's 64 rows are held and computed by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a
+# kernel holds at most 128 (the non-causal ``_readout`` and ``_state_grad``, their products of half operands).
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
               "block_softmax_backward": dict(num_warps=8), "lln_causal_ends": dict(num_warps=8),
               "lln_causal_outputs": dict(num_warps=8), "lln_causal_grad_ends": dict(num_warps=8),
               "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
-              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=8),
-              "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_state_grad": dict(num_warps=16),
-              "lln_noncausal_rows_grad": dict(num_warps=8), "lavo_memory": dict(num_warps=8)}
+              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=16),
+              "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
+              "lavo_memory": dict(num_warps=8)}
 
 # Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size (and a call
 # of a jit function about as much again): there the M^-1 kernels' passes over blocks of rows (BLOCK) and steps of
@@ -264,20 +265,27 @@ def cdiv(a: int, b: int) -> int:
 
 def emulate_half_dot(dtype: torch.dtype) -> bool:
     """Whether ``half_dot`` multiplies its rounded operands in fp32: under Triton's interpreter (3.6 to 3.9 at
-    least) a bf16 ``tl.dot`` multiplies the raw bits as integers; a product of two halves is exact in fp32."""
+    least) a bf16 ``tl.dot`` multiplies the raw bits as integers, and fp32 -> bf16 truncates (a GPU rounds to
+    nearest); a product of two halves is exact in fp32."""
     return os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
 
 
 @triton.jit
 def half_dot(a, b, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
     """a (M,K) @ b (K,N) with both rounded to HALF_TY (tensor cores on a GPU), accumulated in fp32; for operands
-    bounded in magnitude (features <= 1 after their shifts, values as given)."""
-    a = a.to(HALF_TY)
-    b = b.to(HALF_TY)
+    bounded in magnitude (features <= 1 after their shifts, values as given, normalised states). EMULATE: bf16's
+    rounding to nearest by bit arithmetic (``_round_bf16``), the products in fp32."""
     if EMULATE:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, out_dtype=tl.float32)
+        return tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a.to(HALF_TY), b.to(HALF_TY), out_dtype=tl.float32)
+
+
+@triton.jit
+def _round_bf16(x):
+    """Finite fp32 x rounded to bf16's 7-bit mantissa, to nearest (ties to even, as PTX's cvt.rn.bf16.f32), kept in
+    fp32: Triton's interpreter truncates the conversion."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
