@@ -1,14 +1,16 @@
 """The backward of LAVO self-attention (LAVO §3; docs/design.md §6), the custom op ``linattn::lavo_backward``: the
 parallel implementation's backward (``lavo/parallel.backward``) with both softmaxes recomputed in registers.
 
-``_memory_grad``, grid (B*H, cdiv(nw, SPLIT_WINDOWS)): per window the memory softmax's backward (eq. 4): dL/dq from
-F_global (stored fp32), dL/dH per window, and each split's share of dL/dB, summed after (no atomics). The memory's
-small torch ops (``memory.memory_mean_grad``) turn dL/dH into dL/d(window sums of F_local) and add the bases' share
-through the sums. ``_local_grad``, grid (nw, B*H): window m's queries (dq, the bias' share) and window m's keys
-(dk, dv): their contributions come from query window m and, causal, from window m + 1, whose rows the program
-recomputes whole (the softmax needs every key a query sees); window m's keys sit in the last BW slots in both.
-dL/dF_local = coef grad + tok dL/d(window sum) is never stored: dp = coef grad v^T (tensor cores, both half) + tok
-(v·dL/d(sum)).
+``_memory_grad``, grid (nw, B*H): per window, BLOCK rows a step, the memory softmax's backward (eq. 4): dL/dq from
+F_global (stored fp32) and dL/dH per window. ``_bases_grad``, grid (B*H, cdiv(nw, SPLIT_WINDOWS), D / COLS):
+each split's share of dL/dB, COLS of its columns, summed after (no atomics), the memory softmax recomputed (the
+kernels apart, neither spills: the memory's tiles are held a base a row, (r, rows), and dL/dB's (r, D) accumulator
+lives only in the second). The memory's small torch ops (``memory.memory_mean_grad``) turn dL/dH into dL/d(window
+sums of F_local) and add the bases' share through the sums. ``_local_grad``, grid (nw, B*H): window m's queries (dq,
+the bias' share) and window m's keys (dk, dv): their contributions come from query window m and, causal, from
+window m + 1, whose rows the program recomputes whole (the softmax needs every key a query sees); window m's keys
+sit in the last BW slots in both. dL/dF_local = coef grad + tok dL/d(window sum) is never stored: dp = coef grad v^T
+(tensor cores, both half) + tok (v·dL/d(sum)).
 """
 import math
 from typing import Optional, Tuple
@@ -36,43 +38,92 @@ from .common import (
 from .kernel_op import kernel_op
 from .lavo import load_bases, memory_probs, memory_rows, window_of, window_probs
 
-SPLIT_WINDOWS = 16  # windows per program of ``_memory_grad``
+SPLIT_WINDOWS = 16  # windows per program of ``_bases_grad``
 
 
 @triton.jit
-def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, order_ptr, dqg_ptr, dmean_ptr, part_ptr, BH, H, N, NW, W, R,
-                 D, SQK, SPLIT, scale, BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HALF_TY: tl.constexpr,
-                 EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr,
-                 ORDERED: tl.constexpr):
-    """One split of windows of one head: per window dL/dq of 0.5 F_global (fp32) and dL/dH (BR,); part (R, D) =
-    the split's share of dL/dB; q (head stride SQK) and grad at the tokens' rows (through the order if ORDERED), dL/dq
-    at the positions'; in fairseq's layout (FAIRSEQ) or contiguous."""
-    pid = tl.program_id(0)
-    i = tl.arange(0, BW)
+def _window_rows(q_ptr, grad_ptr, mean_ptr, order_ptr, pid, m, lo, d, BH, H, N, NW, W, R, D, SQK, ROWS: tl.constexpr,
+                 BR: tl.constexpr, CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """ROWS rows of window m of head ``pid`` from its row ``lo``: their positions t (ROWS,), their mask (ROWS, C), q
+    (head stride SQK) and the output gradient (ROWS, C) half at the tokens' rows (through the order if ORDERED) and
+    columns d (C,), and the window's memory's means H (BR,) (the window's if CAUSAL, else the sequence's)."""
+    i = lo + tl.arange(0, ROWS)
+    r = tl.arange(0, BR)
+    t = m * W + i
+    rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
+    tokens = memory_rows(order_ptr, pid, H, N, t, ORDERED)
+    q = tl.load(q_ptr + tile_at(pid, tokens, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
+    g = tl.load(grad_ptr + tile_at(pid, tokens, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+    mean = tl.load(mean_ptr + (pid * NW + m if CAUSAL else pid) * R + r, mask=r < R, other=0.0)
+    return t, rows, q, g, mean
+
+
+@triton.jit
+def _memory_softmax_grad(q, g, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    """The memory softmax's backward (eq. 4) for rows q and their output gradient g (rows, BD) half, a base a row
+    (``memory_probs(..., BY_BASE=True)``): (q B^T / sqrt(D))^T and p^T, dL/d(p ⊙ H)^T and the memory logits'
+    gradient transposed, each (BR, rows) fp32."""
+    qb, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE, True)
+    dwgt = 0.5 * half_dot(bases, tl.trans(g), HALF_TY, EMULATE)  # dL/d(p ⊙ H)
+    dp = dwgt * mean[:, None]
+    dlog = p * (dp - tl.sum(dp * p, 0)[None, :])  # the memory logits' gradient
+    return qb, p, dwgt, dlog
+
+
+@triton.jit
+def _memory_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, order_ptr, dqg_ptr, dmean_ptr, BH, H, N, NW, W, R, D, SQK,
+                 scale, BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr,
+                 HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
+                 FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """Window m of head ``pid``, BLOCK rows a step: dL/dq of 0.5 F_global (BW, BD) fp32 at its positions' rows, and
+    dL/dH (BR,) of its queries; q (head stride SQK) and grad at the tokens' rows (through the order if ORDERED); in
+    fairseq's layout (FAIRSEQ) or contiguous."""
+    m = tl.program_id(0)
+    pid = tl.program_id(1)
     d = tl.arange(0, BD)
     r = tl.arange(0, BR)
     bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
-    wide_bases = bases.to(tl.float32)
-    db = tl.zeros((BR, BD), tl.float32)
+    dmean = tl.zeros((BR,), tl.float32)
+    for lo in range(0, BW, BLOCK):
+        t, rows, q, g, mean = _window_rows(q_ptr, grad_ptr, mean_ptr, order_ptr, pid, m, lo, d, BH, H, N, NW, W, R,
+                                           D, SQK, BLOCK, BR, CAUSAL, FAIRSEQ, ORDERED)
+        qb, p, dwgt, dlog = _memory_softmax_grad(q, g, bases, mean, scale, R, BR, HALF_TY, EMULATE)
+        dmean += tl.sum(dwgt * p + dlog * qb, 1)
+        dqg = wide_dot(tl.trans(dlog * mean[:, None]), bases.to(tl.float32), WIDE) * scale
+        tl.store(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), dqg, mask=rows)
+    tl.store(dmean_ptr + (pid * NW + m) * R + r, dmean, mask=r < R)
+
+
+@triton.jit
+def _bases_grad(q_ptr, grad_ptr, bases_ptr, mean_ptr, order_ptr, part_ptr, BH, H, N, NW, W, R, D, SQK, SPLIT, scale,
+                BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
+                FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """One split of SPLIT windows of head ``pid``, COLS columns of D: part (R, COLS) fp32 = the split's share of
+    those columns of dL/dB (eq. 4: through (p ⊙ H) B and through q B^T), its windows' memory softmax recomputed
+    (``_memory_grad``'s, from all D columns) BLOCK rows a step."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BD)
+    c = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    r = tl.arange(0, BR)
+    bases = load_bases(bases_ptr, pid, H, R, D, BR, BD)
+    db = tl.zeros((BR, COLS), tl.float32)
+    STEPS: tl.constexpr = BW // BLOCK  # steps a window
     first = tl.program_id(1) * SPLIT
-    for m in range(first, tl.minimum(first + SPLIT, NW)):
-        t = m * W + i
-        rows = ((i < W) & (t < N))[:, None] & (d[None, :] < D)
-        tokens = memory_rows(order_ptr, pid, H, N, t, ORDERED)
-        q = tl.load(q_ptr + tile_at(pid, tokens, d, N, SQK, BH, FAIRSEQ), mask=rows, other=0.0)
-        g = tl.load(grad_ptr + tile_at(pid, tokens, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
-        mean = tl.load(mean_ptr + (pid * NW + m if CAUSAL else pid) * R + r, mask=r < R, other=0.0)
-        qb, p = memory_probs(q, bases, mean, scale, R, BR, HALF_TY, EMULATE)
-        dwgt = 0.5 * half_dot(g, tl.trans(bases), HALF_TY, EMULATE)  # dL/d(p ⊙ H)
-        dp = dwgt * mean[None, :]
-        dlog = p * (dp - tl.sum(dp * p, 1)[:, None])  # the memory logits' gradient
-        tl.store(dmean_ptr + (pid * NW + m) * R + r, tl.sum(dwgt * p + dlog * qb, 0), mask=r < R)
-        dqb = dlog * mean[None, :]
-        tl.store(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), wide_dot(dqb, wide_bases, WIDE) * scale, mask=rows)
-        db += 0.5 * wide_dot(tl.trans(p * mean[None, :]), g.to(tl.float32), WIDE)
-        db += wide_dot(tl.trans(dqb), q.to(tl.float32) * scale, WIDE)
+    for step in range(first * STEPS, tl.minimum(first + SPLIT, NW) * STEPS):
+        m = step // STEPS
+        lo = (step % STEPS) * BLOCK
+        _, _, q, g, mean = _window_rows(q_ptr, grad_ptr, mean_ptr, order_ptr, pid, m, lo, d, BH, H, N, NW, W, R, D,
+                                        SQK, BLOCK, BR, CAUSAL, FAIRSEQ, ORDERED)
+        _, p, _, dlog = _memory_softmax_grad(q, g, bases, mean, scale, R, BR, HALF_TY, EMULATE)
+        if COLS < BD:  # the program's columns of q and the output gradient
+            _, _, q, g, _ = _window_rows(q_ptr, grad_ptr, mean_ptr, order_ptr, pid, m, lo, c, BH, H, N, NW, W, R, D,
+                                         SQK, BLOCK, BR, CAUSAL, FAIRSEQ, ORDERED)
+        db += 0.5 * wide_dot(p * mean[:, None], g.to(tl.float32), WIDE)  # through (p ⊙ H) B
+        db += wide_dot(dlog * mean[:, None], q.to(tl.float32) * scale, WIDE)  # through q B^T
     at = part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * R * D  # part (B, H, splits, R, D)
-    tl.store(at + r[:, None] * D + d[None, :], db, mask=(r[:, None] < R) & (d[None, :] < D))
+    tl.store(at + r[:, None] * D + c[None, :], db, mask=(r[:, None] < R) & (c[None, :] < D))
 
 
 @triton.jit
@@ -144,6 +195,13 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, c
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
 
 
+def _in_steps(kernel: str, d: int, bw: int) -> dict:
+    """``launch(kernel, d)`` with its BLOCK (rows a step) at most a window's block ``bw``."""
+    settings = launch(kernel, d)
+    settings["BLOCK"] = min(settings["BLOCK"], bw)
+    return settings
+
+
 @kernel_op("lavo_backward")
 def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
                   order: Optional[Tensor], grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
@@ -164,9 +222,13 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     dmean = q.new_empty((b, h, nw, r), dtype=torch.float32)
     splits = cdiv(nw, SPLIT_WINDOWS)
     part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
-    _memory_grad[(b * h, splits)](q, grad, bases, mean.contiguous(), order, dqg, dmean, part, b * h, h, n, nw, w, r,
-                                  d, sqk, SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
-                                  **launch("lavo_memory_grad", d))
+    memory = (q, grad, bases, mean.contiguous(), order)
+    _memory_grad[(nw, b * h)](*memory, dqg, dmean, b * h, h, n, nw, w, r, d, sqk, 1 / math.sqrt(d), BR=block(r),
+                              **sizes, **_in_steps("lavo_memory_grad", d, sizes["BW"]))
+    columns = _in_steps("lavo_bases_grad", d, sizes["BW"])
+    columns["COLS"] = min(columns["COLS"], block(d))
+    _bases_grad[(b * h, splits, cdiv(d, columns["COLS"]))](*memory, part, b * h, h, n, nw, w, r, d, sqk, SPLIT_WINDOWS,
+                                                           1 / math.sqrt(d), BR=block(r), **sizes, **columns)
     dbases = part.sum((0, 2))
     dwin = memory_mean_grad(dmean if causal else dmean.sum(2), win, bases.float(), dbases, tok.view(b, nw, w), causal)
     dbias = q.new_empty((b, h, nw, 2 * w - 1), dtype=torch.float32)
