@@ -74,16 +74,17 @@ LONGS = ("batches_ptr",)  # the moment matching's
 # Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): the
 # limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
 # (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
-# gradient's): its residues went from 112, 64, 32, 256 B to these (Triton 3.9; 3.6: 56 to 136 and 128, 144 to 136);
+# gradient's): its residues went from 112, 64, 32, 256 B to 96, 144, 104, 352 (Triton 3.9; 3.6: 56 to 136, 144 to 136);
 # causal LLN's from 312 to 288 (3.6: 240 to 176), then to none, its ``_grads`` split in two (dq and dk, dv: 255 ->
 # 228 and 197 registers, 3.6: 222 and 216). The non-causal LAVO backward reading its rows through the
 # real-first order (an encoder's padded batch): ``_local_grad`` up to 104
-# (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40). Skyformer's M^-1 kernels, whose d×d passes keep a
-# block of rows of three matrices and a product's split operands (tf32x3): 88 and 168 (3.6: 160 and 120); at 8 warps
-# and 64 rows, 48 and 816 with every product's warps replicated (``replicated_dots``)
-RESIDUAL_SPILL_BYTES = {"lavo_memory_grad": 96,
-                        "lavo_memory_grad causal": 144, "lavo_local_grad": 104, "lavo_local_grad causal": 352,
-                        "nystrom_inverse": 160, "nystrom_inverse_grad": 168}
+# (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40), then to none, split in two (its rows' dq and dL/dH
+# in ``_memory_grad``, dL/dB's (r, D) accumulator in ``_bases_grad``, their tiles a base a row), and ``_local_grad``
+# to none, its queries' dq apart (``_local_query_grad``). Skyformer's M^-1
+# kernels, whose d×d passes keep a block of rows of three matrices and a product's split operands (tf32x3): 88 and
+# 168 (3.6: 160 and 120); at 8 warps and 64 rows, 48 and 816 with every product's warps replicated
+# (``replicated_dots``)
+RESIDUAL_SPILL_BYTES = {"nystrom_inverse": 160, "nystrom_inverse_grad": 168}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -97,7 +98,9 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
     window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True, ORDERED=False)
     own_window = {**window, "CAUSAL": False, "ORDERED": True}  # an encoder's padded batch: rows through the order
     lavo_kernels = [(lavo._local, "lavo_local"), (lavo._memory, "lavo_memory"),
-                    (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._local_grad, "lavo_local_grad")]
+                    (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._bases_grad, "lavo_bases_grad"),
+                    (lavo_backward._local_query_grad, "lavo_local_query_grad"),
+                    (lavo_backward._local_grad, "lavo_local_grad")]
     return [(lln_key_max._block_max, "lln_key_max", dict(BR=64, HAS_MASK=True)),
             (lln_causal._states, "lln_causal_ends", dict(BC=64, ENDS=True, **common)),  # the walk's segments' ends
             (lln_causal._states, "lln_causal_states", dict(BC=64, ENDS=False, **common)),

@@ -51,7 +51,9 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "nystrom_inverse_grad": [dict(BLOCK=32), dict(BLOCK=32, num_warps=8), EXACT, dict(TF32=True)],
     "lavo_local": [dict(num_warps=4), dict(num_stages=2)],
     "lavo_memory": [dict(num_warps=8), EXACT, TF32X3],
-    "lavo_memory_grad": [dict(num_warps=4), EXACT, TF32X3],
+    "lavo_memory_grad": [dict(num_warps=8), EXACT, TF32X3],
+    "lavo_bases_grad": [dict(num_warps=8), EXACT, TF32X3],
+    "lavo_local_query_grad": [dict(num_warps=4), EXACT, TF32X3],
     "lavo_local_grad": [dict(num_warps=4), EXACT, TF32X3],
 }
 CHECK_N = 1000  # the length of ``check``: odd chunks (C = 64) and windows, several non-causal splits of 64 rows

@@ -125,13 +125,21 @@ def load_bases(bases_ptr, pid, H, R, D, BR: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def memory_probs(q, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
+def memory_probs(q, bases, mean, scale, R, BR: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+                 BY_BASE: tl.constexpr = False):
     """q B^T / sqrt(D) (rows, BR) on tensor cores from the half q and bases, and the memory softmax
-    p = softmax(q B^T ⊙ H / sqrt(D)) over the r bases (LAVO eq. 4; q·Xtil_i = H_i q·B_i)."""
-    qb = half_dot(q, tl.trans(bases), HALF_TY, EMULATE) * scale
-    s = tl.where(tl.arange(0, BR)[None, :] < R, qb * mean[None, :], float("-inf"))
-    e = tl.exp(s - tl.max(s, 1)[:, None])
-    return qb, e / tl.sum(e, 1)[:, None]
+    p = softmax(q B^T ⊙ H / sqrt(D)) over the r bases (LAVO eq. 4; q·Xtil_i = H_i q·B_i); BY_BASE: both transposed,
+    (BR, rows), a base a row (B q^T: BR = 128 rows at D = 128, which 8 warps hold without replicating them,
+    ``dev.perf.binary.replicated_dots``)."""
+    BASES: tl.constexpr = 0 if BY_BASE else 1  # the axis of the bases
+    if BY_BASE:
+        qb = half_dot(bases, tl.trans(q), HALF_TY, EMULATE) * scale
+        s = tl.where(tl.arange(0, BR)[:, None] < R, qb * mean[:, None], float("-inf"))
+    else:
+        qb = half_dot(q, tl.trans(bases), HALF_TY, EMULATE) * scale
+        s = tl.where(tl.arange(0, BR)[None, :] < R, qb * mean[None, :], float("-inf"))
+    e = tl.exp(s - tl.expand_dims(tl.max(s, BASES), BASES))
+    return qb, e / tl.expand_dims(tl.sum(e, BASES), BASES)
 
 
 @triton.jit
