@@ -70,21 +70,18 @@ HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_p
 FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s", "gamma"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
 DOUBLES = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr", "pending_ptr")  # the moment matching's
 LONGS = ("batches_ptr",)  # the moment matching's
-# Bytes a thread still spills at D = 64 at LAUNCH's settings (fairseq's layout), the most of fp16 and bf16 with
-# Triton 3.6 and 3.9 (none of warps, stages or the products' precision removes them; docs/design.md §1.3.1): the
-# limit the slow tier holds them to. Since q, k, v are read in place at the packed projection's head stride
-# (``common.inputs_in_layout``), LAVO's backward keeps two tiles of offsets where it kept one (q's, and the output
-# gradient's): its residues went from 112, 64, 32, 256 B to 96, 144, 104, 352 (Triton 3.9; 3.6: 56 to 136, 144 to 136);
-# causal LLN's from 312 to 288 (3.6: 240 to 176), then to none, its ``_grads`` split in two (dq and dk, dv: 255 ->
-# 228 and 197 registers, 3.6: 222 and 216). The non-causal LAVO backward reading its rows through the
-# real-first order (an encoder's padded batch): ``_local_grad`` up to 104
-# (3.6: 0 -> 32), ``_memory_grad`` down to 96 (3.6: 136 -> 40), then to none, split in two (its rows' dq and dL/dH
-# in ``_memory_grad``, dL/dB's (r, D) accumulator in ``_bases_grad``, their tiles a base a row), and ``_local_grad``
-# to none, its queries' dq apart (``_local_query_grad``). Skyformer's M^-1
-# kernels, whose d×d passes keep a block of rows of three matrices and a product's split operands (tf32x3): 88 and
-# 168 (3.6: 160 and 120); at 8 warps and 64 rows, 48 and 816 with every product's warps replicated
-# (``replicated_dots``)
-RESIDUAL_SPILL_BYTES = {"nystrom_inverse": 160, "nystrom_inverse_grad": 168}
+# Bytes a thread still spills at LAUNCH's settings (fairseq's layout), per head size, the most of fp16 and bf16 with
+# Triton 3.6 and 3.9: the limit the extended tier holds them to, which only shrinks (docs/design.md §1.3.1; the
+# history of each residue is in docs/benchmarks.md § Fused kernels' registers). At D = 64 none since issue 50 (the
+# causal LLN, LAVO and Nyström backwards split by gradient or stepping fewer rows). At D = 128 the Nyström
+# backward's exact products (16 rows a step on 16 warps: tf32's operands take it over the H100's shared memory).
+RESIDUAL_SPILL_BYTES = {64: {}, 128: {"nystrom_rows_grad": 672}}
+# The kernels whose grid at the targets' shapes (docs/benchmarks/predicted_h100.json) is more than two waves of one
+# block an SM and that still hold one block an SM, and why: the ledger ``test_predict`` holds the table to.
+ONE_BLOCK_AN_SM = {
+    "nystrom_rows_grad": "its C and dE (16 rows, 128 landmarks) and the landmarks take 128-132 KiB of shared memory",
+    "lavo_local_query_grad": "8 warps at 141-182 registers: the causal tiles (2w, w) spill on 4",
+    "lavo_local_grad": "8 warps at 160-255 registers: the causal tiles (2w, w) spill on 4"}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 
@@ -338,9 +335,9 @@ def main(argv=None) -> None:
     rows = table(args.configs, args.variants_at, args.set, args.kernels, args.arch, args.jobs, not args.no_hints)
     spilling = [row for row in rows if not row["change"] and row["spill_bytes"]]
     beyond = [f"{row['dtype']}:{row['d']} {name(row)}" for row in spilling
-              if row["d"] == 64 and row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(name(row), 0)]
+              if row["spill_bytes"] > RESIDUAL_SPILL_BYTES.get(row["d"], {}).get(name(row), 0)]
     print(f"{len(rows)} builds; at LAUNCH's settings {len(spilling)} spill" + (
-        f"; at D = 64 beyond RESIDUAL_SPILL_BYTES: {', '.join(beyond) or 'none'}" if args.arch == 90 else ""))
+        f"; beyond RESIDUAL_SPILL_BYTES: {', '.join(beyond) or 'none'}" if args.arch == 90 else ""))
     if args.json:
         target = {90: "sm_90 (H100)", 80: "sm_80 (A100)"}[args.arch]
         write_json(Path(args.json), dict(target=target, triton=triton.__version__, hints=not args.no_hints,
