@@ -49,7 +49,7 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     # the d×d iteration: rows a pass (BLOCK) and warps, exact fp32 FMAs, tf32 alone (the check may refuse it)
     "nystrom_inverse": [dict(BLOCK=64, num_warps=8), dict(BLOCK=16), EXACT, dict(TF32=True)],
     "nystrom_inverse_grad": [dict(BLOCK=32), dict(BLOCK=32, num_warps=8), EXACT, dict(TF32=True)],
-    "lavo_local": [dict(num_warps=4), dict(num_stages=2)],
+    "lavo_local": [dict(num_warps=8), dict(num_stages=2)],
     "lavo_memory": [dict(num_warps=8), EXACT, TF32X3],
     "lavo_memory_grad": [dict(num_warps=8), EXACT, TF32X3],
     "lavo_bases_grad": [dict(num_warps=8), EXACT, TF32X3],

@@ -48,7 +48,7 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
-          "lavo_local": dict(num_warps=8, num_stages=1),
+          "lavo_local": dict(num_warps=4, num_stages=1),
           "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(BLOCK=32, num_warps=4, num_stages=1, TF32=True),
           "lavo_bases_grad": dict(BLOCK=32, COLS=64, num_warps=4, num_stages=1, TF32=True),
@@ -72,7 +72,8 @@ LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "bl
               "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
               "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=16),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
-              "lavo_memory": dict(num_warps=8), "lavo_bases_grad": dict(BLOCK=16, COLS=32),
+              "lavo_local": dict(num_warps=8), "lavo_memory": dict(num_warps=8),
+              "lavo_bases_grad": dict(BLOCK=16, COLS=32),
               "lavo_local_grad": dict(COLS=32)}
 
 # Under Triton's interpreter a program costs about 0.2 ms a block operation whatever the block's size (and a call
