@@ -71,13 +71,13 @@ class _Kernel:
 
 def test_the_recorded_specialisation_marks_what_the_jit_would():
     """From the launches at (B, N, H, D) = (16, 2048, 12, 64): the causal ``_outputs``' pointers, N, D, the packed
-    head stride 3D = 192 and B*H = 192 divisible by 16, H = 12 not; the moment fold's G = 1 a constant; a kernel no
+    head stride 3D = 192 and B*H = 192 divisible by 16, H = 12 not; the moment scales' (and fold's) G = 1 a constant; a kernel no
     recorded step launches: its pointers only. Triton's attrs: the argument's index, ``tt.divisibility`` 16."""
     from dev.perf.kernel_resources import _attrs, specialised
     types = {"q_ptr": "*fp16", "BH": "i32", "H": "i32", "N": "i32", "SQK": "i32", "scale": "fp32", "BC": "constexpr"}
     how, divisible, constants = specialised(_Kernel("linattn.ops.triton.lln_causal", "_outputs"), {}, 64, types)
     assert how == "launch" and divisible == ["q_ptr", "BH", "N", "SQK"] and constants == {}
-    how, _, constants = specialised(_Kernel("linattn.ops.triton.moment_match", "_fold"), {}, 64, {"G": "i32"})
+    how, _, constants = specialised(_Kernel("linattn.ops.triton.moment_match", "_scales"), {}, 64, {"G": "i32"})
     assert how == "launch" and constants == {"G": 1}
     assert specialised(_Kernel("nowhere", "_k"), {}, 64, types)[:2] == ("pointers", ["q_ptr"])
     assert _attrs(types, ["BH", "N"]) == {(1,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]}
