@@ -72,7 +72,7 @@ DOUBLES = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr", "pending_ptr")
 LONGS = ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at LAUNCH's settings (fairseq's layout), per head size, the most of fp16 and bf16 with
 # Triton 3.6 and 3.9: the limit the extended tier holds them to, which only shrinks (docs/design.md §1.3.1; the
-# history of each residue is in docs/benchmarks.md § Fused kernels' registers). At D = 64 none since issue 50 (the
+# history of each residue is in docs/benchmarks.md § Fused kernels' registers). At D = 64 none since 0bc1d3b (the
 # causal LLN, LAVO and Nyström backwards split by gradient or stepping fewer rows). At D = 128 the Nyström
 # backward's exact products (16 rows a step on 16 warps: tf32's operands take it over the H100's shared memory).
 RESIDUAL_SPILL_BYTES = {64: {}, 128: {"nystrom_rows_grad": 672}}

@@ -71,8 +71,9 @@ class _Kernel:
 
 def test_the_recorded_specialisation_marks_what_the_jit_would():
     """From the launches at (B, N, H, D) = (16, 2048, 12, 64): the causal ``_outputs``' pointers, N, D, the packed
-    head stride 3D = 192 and B*H = 192 divisible by 16, H = 12 not; the moment scales' (and fold's) G = 1 a constant; a kernel no
-    recorded step launches: its pointers only. Triton's attrs: the argument's index, ``tt.divisibility`` 16."""
+    head stride 3D = 192 and B*H = 192 divisible by 16, H = 12 not; the moment scales' (and fold's) G = 1 a
+    constant; a kernel no recorded step launches: its pointers only. Triton's attrs: the argument's index,
+    ``tt.divisibility`` 16."""
     from dev.perf.kernel_resources import _attrs, specialised
     types = {"q_ptr": "*fp16", "BH": "i32", "H": "i32", "N": "i32", "SQK": "i32", "scale": "fp32", "BC": "constexpr"}
     how, divisible, constants = specialised(_Kernel("linattn.ops.triton.lln_causal", "_outputs"), {}, 64, types)
