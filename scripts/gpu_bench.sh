@@ -10,13 +10,14 @@ QUICK=0
 IMPL=
 TUNE=0
 PROFILE=0
+FLA_WHEELS=
 DTYPES_ARG=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help)
       cat <<USAGE
 Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|parallel|auto] [--dtypes DTYPE...]
-                                 [--tune SECONDS] [--profile] [--quick]
+                                 [--tune SECONDS] [--profile] [--fla-wheels DIR] [--quick]
 
 One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward from
 an output gradient with no loss, median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag,
@@ -35,6 +36,10 @@ settings it found (LINATTN_TRITON_LAUNCH). --profile: then DIR/profile_<method>.
 the step at N = 4096 for LLN (both causalities), LAVO causal, Skyformer and LLN+Diag. --quick: the CPU, float32,
 N = 32 and 64, one step each, the implementations auto picks (checks that the script runs: fused refuses float32). On a lent GPU: --tune 150 --profile --cap 60 takes about
 7 minutes.
+Each causal point also times the baseline fla_linear: flash-linear-attention's chunked causal linear attention
+(fla-core) in the softmax module's projections, where fla imports on a GPU (else each point's JSON says why not).
+--fla-wheels DIR: first install the wheels in DIR, offline (fla-core and einops, fetched where there is a network:
+pip download fla-core==0.6.0 einops --no-deps -d DIR).
 USAGE
       exit 0 ;;
     --out) OUT="$2"; shift 2 ;;
@@ -43,6 +48,7 @@ USAGE
     --quick) QUICK=1; shift ;;
     --tune) TUNE="$2"; shift 2 ;;
     --profile) PROFILE=1; shift ;;
+    --fla-wheels) FLA_WHEELS="$2"; shift 2 ;;
     --dtypes) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do DTYPES_ARG+=("$1"); shift; done ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -64,6 +70,10 @@ mkdir -p "$OUT"
 rm -f "$OUT"/*.json "$OUT/targets.md" "$OUT"/tune_fused.* "$OUT"/profile_*.txt
 cd "$ROOT"
 failed=()
+if [ -n "$FLA_WHEELS" ]; then
+  "$PY" -m pip install --no-index --no-deps -q "$FLA_WHEELS"/*.whl \
+    || failed+=("installing the wheels of $FLA_WHEELS (the points run without the fla_linear baseline)")
+fi
 if [ "$TUNE" != 0 ]; then
   timeout "$TUNE" "$PY" -m dev.perf.tune_fused --json "$OUT/tune_fused.json" --env "$OUT/tune_fused.env" \
     || failed+=("tune_fused (over ${TUNE} s or a check failed: the points run LAUNCH's settings)")

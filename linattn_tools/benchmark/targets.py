@@ -11,7 +11,8 @@ One step (``module_step``): ``build_attention(method, 768, 12, causal=...)`` wit
 weights and inputs in ``--dtype``, B = ``--tokens-per-step`` // N, forward + backward from an output gradient (no
 loss); causal steps unpadded, non-causal ones with the last eighth of the last sequence padded. Time: median of
 ``--repeats`` steps (CUDA events on a GPU) after warm-up; peak memory above the inputs. Each point records the
-implementation the module's op ran.
+implementation the module's op ran. At each N also a baseline, causal: flash-linear-attention's chunked linear
+attention in the softmax module's projections (``fla_baseline``), where fla-core runs (a GPU), else the reason.
 """
 import argparse
 import json
@@ -24,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from linattn.ops.impls import IMPLS, implementation_for
-from linattn_tools.benchmark import flops, measure
+from linattn_tools.benchmark import fla_baseline, flops, measure
 from linattn_tools.benchmark.module_step import build, module_step_inputs, step
 
 from .cli import write_json
@@ -41,19 +42,25 @@ FLOP_OPTS = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "lan
 
 
 def time_step(method: str, causal: bool, n: int, args) -> dict:
-    """One series at one N: median step time, peak memory and the implementation its op ran."""
+    """One series at one N: median step time, peak memory and the implementation its op ran (the baseline
+    ``fla_baseline.METHOD``: fla-core and its version)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     batch = max(1, args.tokens_per_step // n)
-    module = build(method, causal, args.impl, dtype=dtype, device=device)
+    if method == fla_baseline.METHOD:
+        module = fla_baseline.build_baseline(dtype=dtype, device=device)
+        impl = f"{fla_baseline.IMPL} {fla_baseline.fla_version()}"
+    else:
+        module = build(method, causal, args.impl, dtype=dtype, device=device)
+        impl = implementation_for(method, args.impl, torch.empty((1, 1, 1, module.head_dim), dtype=dtype,
+                                                                 device=device))
     x, mask = module_step_inputs(n, dtype=dtype, device=device, batch=batch)
     mask = None if causal else mask
     run = lambda: step(module, x, mask)  # noqa: E731
     for _ in range(args.warmup):
         run()
     times = [measure.elapsed_seconds(run, device) for _ in range(args.repeats)]
-    head = x.new_empty((1, 1, 1, module.head_dim))
-    return {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype,
-            "impl": implementation_for(method, args.impl, head), "median_s": statistics.median(times),
+    return {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype, "impl": impl,
+            "median_s": statistics.median(times),
             "issue_s": statistics.median(issue_seconds(run, device) for _ in range(args.repeats)),
             "peak_bytes": measure.peak_memory_bytes(run, device)}
 
@@ -71,10 +78,13 @@ def issue_seconds(run, device: torch.device) -> float:
 
 
 def measure_point(args) -> dict:
-    """Every series of ``TARGETS`` and the softmax module of each causality at one N."""
+    """Every series of ``TARGETS`` and the softmax module of each causality at one N, and the baseline
+    ``fla_baseline.METHOD`` (causal) where fla-core runs (``left_out``: else why not)."""
+    why = fla_baseline.unavailable(args.device)
     rows = []
     for causal in (False, True):
-        for method in [BASELINE] + [m for m, c in TARGETS if c == causal]:
+        baselines = [fla_baseline.METHOD] if causal and why is None else []
+        for method in [BASELINE] + [m for m, c in TARGETS if c == causal] + baselines:
             row = time_step(method, causal, args.n, args)
             rows.append(row)
             note = ""
@@ -85,7 +95,10 @@ def measure_point(args) -> dict:
                   f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}), "
                   f"peak {row['peak_bytes'] / 2**20:.1f} MiB, "
                   f"implementation {row['impl']}{note}", flush=True)
-    return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows}
+    if why is not None:
+        print(f"{fla_baseline.METHOD} causal left out: {why}", flush=True)
+    return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows,
+            "left_out": {} if why is None else {fla_baseline.METHOD: why}}
 
 
 def render(results: List[dict], floors: Optional[dict] = None) -> str:
@@ -119,10 +132,21 @@ def render(results: List[dict], floors: Optional[dict] = None) -> str:
             worst = f"{max(peaks):.2f}× ({'✓' if max(peaks) <= MEMORY_LIMIT else '✗'} ≤{MEMORY_LIMIT:g})" if peaks \
                 else "–"
             lines.append(f"| {method}{' causal' if causal else ''} | " + " | ".join(cells) + f" | {worst} |")
+        lines += _baseline_lines(rows, dtype, sizes)
         lines.append("")
     machines = sorted({f"{res['machine'].get('gpu', res['machine']['cpu'])}, torch {res['machine']['torch']}"
                        for res in results})
     return "\n".join(lines + ["Measured on: " + "; ".join(machines)])
+
+
+def _baseline_lines(rows: List[dict], dtype: str, sizes: List[int]) -> List[str]:
+    """The table's row of ``fla_baseline.METHOD`` (causal, no target) where a point measured it."""
+    mine = [_find(rows, dtype, n, fla_baseline.METHOD, True) for n in sizes]
+    if not any(mine):
+        return []
+    cells = [f"{m['median_s'] / base['median_s']:.2f}× `{m['impl']}`" if m and base else "–"
+             for m, base in zip(mine, (_find(rows, dtype, n, BASELINE, True) for n in sizes))]
+    return [f"| {fla_baseline.METHOD} causal (baseline) | " + " | ".join(cells) + " | – |"]
 
 
 def _find(rows, dtype, n, method, causal) -> Optional[dict]:

@@ -276,6 +276,8 @@ def test_gpu_bench_script_quick_writes_every_point_and_the_targets_table(tmp_pat
                            str(tmp_path)], capture_output=True, text=True, timeout=900, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["float32_32.json", "float32_64.json"]
+    left_out = json.loads((tmp_path / "float32_32.json").read_text())["left_out"]
+    assert "fla-core's kernels run on CUDA GPUs only" in left_out["fla_linear"]  # the baseline, on a GPU
     for name in ("profile_lln.txt", "profile_lln_causal.txt", "profile_lavo_causal.txt", "profile_skyformer.txt",
                  "profile_lln_diag.txt"):
         assert "Self CPU" in (tmp_path / name).read_text()
