@@ -93,7 +93,7 @@ FUSED_MUTANTS = [
       "LAVO's fake output contiguous while its kernels answer in fairseq's layout (what compile plans with differs)",
       ("tests/ops/test_fused_opcheck.py",)),
     M("triton-lln-noncausal-key-rows", OPS + "triton/lln_noncausal_backward.py",
-      "tl.store(dk_ptr + tile_at(pid, rows, d, S, SQK,", "tl.store(dk_ptr + tile_at(pid, rows, d, N, SQK,",
+      "tl.store(dk_ptr + tile_at(pid, rows, f, S, SQK,", "tl.store(dk_ptr + tile_at(pid, rows, f, N, SQK,",
       "non-causal LLN's dk laid out with the queries' length (cross-attention, contiguous)",
       ("tests/ops/test_lln_fused.py",)),
     M("lln-diag-fused-either-part", OPS + "lln_diag/fused.py",

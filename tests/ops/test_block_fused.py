@@ -49,6 +49,21 @@ def test_fused_matches_the_float64_reference_with_gradients(gen, op, dtype, caus
     mask = padding_mask(2, n, side, gen)
     if n == 19:
         mask[1] = torch.arange(n) < 11 if side == "left" else torch.arange(n) >= 5  # whole blocks of padding
+    check_against_references(gen, op, dtype, q, k, v, causal=causal, mask=mask)
+
+
+@pytest.mark.parametrize("op, dtype, causal", [("lln_diag", "float16", False), *(
+    pytest.param(*case, marks=pytest.mark.extended) for case in (("block", "bfloat16", True),
+                                                                 ("lln_diag", "bfloat16", False)))])
+def test_fused_with_wide_heads_matches_the_float64_reference(gen, op, dtype, causal):
+    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings: the backward's programs split a block's features
+    and value columns in two (64 each, the second partial), LLN's kernels (LLN+Diag) theirs too."""
+    q, k, v = inputs(gen, DTYPES[dtype], 19, d=72, dv=80)
+    check_against_references(gen, op, dtype, q, k, v, causal=causal, mask=padding_mask(2, 19, "left", gen))
+
+
+def check_against_references(gen, op, dtype, q, k, v, *, causal, mask):
+    """The fused op's output and gradients against the float64 reference's, within ``linattn/tolerances.py``."""
     fn = block if op == "block" else lln_diag
     out = fn(q, k, v, "fused", causal=causal, mask=mask)
     grad = torch.randn(out.shape, generator=gen)

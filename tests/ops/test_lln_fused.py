@@ -302,6 +302,14 @@ def test_fused_at_a_larger_shape_matches_the_reference(gen, dtype, causal):
     check_against_reference(gen, q, k, v, dtype, causal=causal, mask=padding_mask(2, 200, "right", gen), chunk=64)
 
 
+@pytest.mark.parametrize("dtype, side", TWO_OF_FOUR)
+def test_noncausal_fused_with_wide_heads_matches_the_reference(gen, dtype, side):
+    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings: the readout's programs take 32 value columns
+    each (three, the last partial), the backward's take dq's features, or dk's and dv's, 64 at a time."""
+    q, k, v = inputs(gen, DTYPES[dtype], 19, d=72, dv=80)
+    check_against_reference(gen, q, k, v, dtype, causal=False, mask=padding_mask(2, 19, side, gen))
+
+
 @pytest.mark.parametrize("side, split_rows", [("left", 16), ("right", 32), pytest.param("right", 16, marks=EXTENDED),
                                               pytest.param("left", 32, marks=EXTENDED)])
 def test_noncausal_fused_over_several_splits(gen, monkeypatch, side, split_rows):

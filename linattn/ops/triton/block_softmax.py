@@ -8,7 +8,9 @@ rows, and writes them, through the order, so that padding anywhere is not counte
 Backward, P recomputed: dP = g vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)) / sqrt(D), dq = dS k, dk = dSᵀ q, dv = Pᵀ g, all
 times ``scale``, plus another part's gradients (LLN's, in LLN+Diag) where given, added in fp32 and stored once in the
 inputs' dtype. q kᵀ and g vᵀ multiply half inputs, P v and Pᵀ g a product ≤ 1 with half values: tensor cores with
-fp32 accumulation; dS is unbounded, so its products are ``wide_dot``'s (fp32, or tf32 as ``LAUNCH`` sets).
+fp32 accumulation; dS is unbounded, so its products are ``wide_dot``'s (fp32, or tf32 as ``LAUNCH`` sets). A block's
+backward is a program per BF features of dq and dk and BV columns of dv (``LAUNCH``: all of them at D <= 64, half at
+128, each program forming P and dS again), so that at D = 128 it holds 64-column tiles on 4 warps, as at 64.
 """
 import math
 from typing import Optional, Tuple
@@ -88,25 +90,33 @@ def _forward(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, avg_ptr, out_ptr, BH, H, 
 @triton.jit
 def _backward(q_ptr, k_ptr, v_ptr, grad_ptr, mask_ptr, order_ptr, aq_ptr, ak_ptr, av_ptr, dq_ptr, dk_ptr, dv_ptr, BH,
               H, N, D, DV, SQK, SV, BS, sm_scale, scale, BB: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-              HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-              ADD: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One block of one head: dq, dk (BS, D), dv (BS, DV) of ``scale`` x block softmax, computed in fp32, plus (ADD)
-    aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ; q, k, their gradients and
-    addends at X = SQK, v's at SV: ``common.inputs_in_layout``) or contiguous; grad at DV."""
+              BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_MASK: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """One block of one head, its program's BF features of dq, dk and BV columns of dv (program j of the third axis:
+    features j*BF.., columns j*BV..; P and dP recomputed from all of them) of ``scale`` x block softmax, computed
+    in fp32, plus (ADD) aq, ak, av, stored in the inputs' dtype; every tensor in fairseq's layout (FAIRSEQ; q, k,
+    their gradients and addends at X = SQK, v's at SV: ``common.inputs_in_layout``) or contiguous; grad at DV."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
     rows, ok, qq, kk, p = _probs(q_ptr, k_ptr, mask_ptr, order_ptr, BH, FAIRSEQ, blk, pid, H, N, D, SQK, BS,
                                  sm_scale, BB, BD, HALF_TY, EMULATE, CAUSAL, HAS_MASK)
-    d = tl.arange(0, BD)
+    f = tl.program_id(2) * BF + tl.arange(0, BF)
+    c = tl.program_id(2) * BV + tl.arange(0, BV)
     e = tl.arange(0, BDV)
     inside = ok[:, None] & (e[None, :] < DV)
-    at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)  # v, dv and its addend
-    vv = tl.load(v_ptr + at_v, mask=inside, other=0.0)
+    vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=inside, other=0.0)
     gg = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
     dp = half_dot(gg, tl.trans(vv), HALF_TY, EMULATE)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * (sm_scale * scale)
-    inside_d = ok[:, None] & (d[None, :] < D)
-    at = tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ)  # q, k, their gradients and addends: one layout
+    inside_d = ok[:, None] & (f[None, :] < D)
+    at = tile_at(pid, rows, f, N, SQK, BH, FAIRSEQ)  # q, k, their gradients and addends: one layout
+    if BF < BD:  # q and k at the program's features
+        qq = tl.load(q_ptr + at, mask=inside_d, other=0.0).to(tl.float32)
+        kk = tl.load(k_ptr + at, mask=inside_d, other=0.0).to(tl.float32)
+    inside = ok[:, None] & (c[None, :] < DV)
+    at_v = tile_at(pid, rows, c, N, SV, BH, FAIRSEQ)  # dv and its addend
+    if BV < BDV:  # the output gradient at the program's columns
+        gg = tl.load(grad_ptr + tile_at(pid, rows, c, N, DV, BH, FAIRSEQ), mask=inside, other=0.0)
     dq = wide_dot(ds, kk, WIDE)
     dk = wide_dot(tl.trans(ds), qq, WIDE)
     dv = half_dot(tl.trans(p), gg, HALF_TY, EMULATE) * scale
@@ -160,11 +170,12 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
     mask_u8, order = _mask_and_order(mask, order, k)
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
-    _backward[(cdiv(n, block_size), b * h)](
+    cols = launch("block_softmax_backward", d, dv_dim)
+    _backward[(cdiv(n, block_size), b * h, max(cdiv(d, cols["BF"]), cdiv(dv_dim, cols["BV"])))](
         q, k, v, grad, mask_u8, order, *addends, dq, dk, dv, b * h, h, n, d, dv_dim, sqk, sv, block_size,
         1 / math.sqrt(d), float(scale), BB=block(block_size), BD=block(d), BDV=block(dv_dim), HALF_TY=HALF[q.dtype],
         EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal, HAS_MASK=mask is not None, ADD=add, FAIRSEQ=fairseq,
-        **launch("block_softmax_backward", d))
+        **cols)
     return op_grads(dq, dk, dv, packed)
 
 

@@ -20,7 +20,8 @@ HALF = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # the input dty
 TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`` (a constexpr: kernels read it)
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
-# over the chunks (BV at most Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK:
+# over the chunks, of the non-causal LLN readout and backward's rows, or of the block softmax's backward (BF, BV at
+# most D's and Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK:
 # rows a step of the Nyström state and backward (C^T, or C and dE, (BLOCK, L) in registers), TF32: the products of
 # unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false);
 # ``wide_dot``).
@@ -38,11 +39,11 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_grads": dict(BF=16, num_warps=4, num_stages=1, TF32=True),
           "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
-          "lln_noncausal_readout": dict(num_warps=8, num_stages=1),
+          "lln_noncausal_readout": dict(BV=64, num_warps=8, num_stages=1),
           "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
-          "lln_noncausal_rows_grad": dict(num_warps=4, num_stages=1, TF32=True),
+          "lln_noncausal_rows_grad": dict(BF=64, BV=64, num_warps=4, num_stages=1, TF32=True),
           "block_softmax": dict(num_warps=4, num_stages=1),
-          "block_softmax_backward": dict(num_warps=4, num_stages=1, TF32=True),
+          "block_softmax_backward": dict(BF=64, BV=64, num_warps=4, num_stages=1, TF32=True),
           "nystrom_state": dict(BLOCK=32, num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=True),
           "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
@@ -62,15 +63,16 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
 # memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
 # over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
-# Fused kernels' registers, D = 128). At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM:
+# Fused kernels' registers, D = 128), and fewer value columns a program for the non-causal ``_readout`` (32: two
+# blocks an SM on 8 warps). At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM:
 # on 4 warps (at most 255 registers a thread, and no product replicated across warpgroups: at 8 warps a chained
 # product's 64 rows are held and computed by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a
 # kernel holds at most 128 (the non-causal ``_readout`` and ``_state_grad``, their products of half operands).
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
-              "block_softmax_backward": dict(num_warps=8), "lln_causal_ends": dict(num_warps=8),
+              "lln_causal_ends": dict(num_warps=8),
               "lln_causal_outputs": dict(num_warps=8), "lln_causal_grad_ends": dict(num_warps=8),
               "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
-              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=16),
+              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(BV=32, num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
               "lavo_local": dict(num_warps=8), "lavo_memory": dict(num_warps=8),
               "lavo_bases_grad": dict(BLOCK=16, COLS=32),

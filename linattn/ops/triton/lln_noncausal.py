@@ -6,12 +6,13 @@ over the splits' maxima from ``lln_key_max.py``: no reduction launched between t
 half phi_k and v, fp32 accumulation; one ``sum`` over the split axis then gives [S, z] (deterministic, no atomics).
 One program per head would walk all S keys alone: at the training shapes (B*H = 12 to 24, S up to 32K) that is a
 tenth of an H100's 132 SMs; splitting the keys fills them, and the launches stay two kernels and one sum at any S.
-``_readout``, grid (B*H, cdiv(N, ROWS)): per block of queries, phi_q = exp(alpha q + m - max_d(alpha q + m)) <= 1
-and out = p S' (LLN eq. 8), the product's operands bounded so that it runs on tensor cores in q's half dtype: the
-probabilities p = phi_q * z / (phi_q z) in [0, 1] (each row sums to 1) and the state's rows S' = S / z, each a
-weighted mean of the values (|S'| <= max |v|); z >= 1 where a key is visible (its maximal key's feature is 1). As
-out = mu + p (S' - mu) with mu = S'_0 (p's rows sum to 1), the rounding of S' - mu (|.| <= 2 max |v|) scales with
-the values' spread, not their offset (the backward's dq and dk cancel against the saved output).
+``_readout``, grid (B*H, cdiv(N, ROWS), cdiv(Dv, BV)): per block of queries and BV value columns (``LAUNCH``), phi_q
+= exp(alpha q + m - max_d(alpha q + m)) <= 1 and out = p S' (LLN eq. 8), the product's operands bounded so that it
+runs on tensor cores in q's half dtype: the probabilities p = phi_q * z / (phi_q z) in [0, 1] (each row sums to 1)
+and the state's rows S' = S / z, each a weighted mean of the values (|S'| <= max |v|); z >= 1 where a key is visible
+(its maximal key's feature is 1). As out = mu + p (S' - mu) with mu = S'_0 (p's rows sum to 1), the rounding of S' -
+mu (|.| <= 2 max |v|) scales with the values' spread, not their offset (the backward's dq and dk cancel against the
+saved output).
 """
 from typing import Optional, Tuple
 
@@ -29,7 +30,6 @@ from .common import (
     half_dot,
     inputs_in_layout,
     launch,
-    load_state,
     mask_bytes,
     new_rows,
     tile_at,
@@ -85,15 +85,15 @@ def _state(k_ptr, v_ptr, beta_ptr, top_ptr, m_ptr, mask_ptr, part_ptr, BH, H, S,
 
 @triton.jit
 def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, half_ptr, den_ptr, BH, N, D, DV, SQK, BLOCK: tl.constexpr,
-             BD: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+             BD: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
              FAIRSEQ: tl.constexpr, AVERAGED: tl.constexpr):
-    """One block of queries of one head: out = phi_q S / den = mu + p (S / z - mu) with den = max(phi_q z, TINY)
-    (stored), p = phi_q * z / den (BLOCK, BD) and mu (BDV,) ``_values_centre``'s; AVERAGED: out in fp32 and, at
-    ``half_ptr``, rounded to q's half dtype too."""
+    """One block of queries of one head, BV of its value columns: out = phi_q S / den = mu + p (S / z - mu) with
+    den = max(phi_q z, TINY) (stored by the first block of columns), p = phi_q * z / den (BLOCK, BD) and mu (BV,)
+    ``_values_centre``'s; AVERAGED: out in fp32 and, at ``half_ptr``, rounded to q's half dtype too."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BD)
-    e = tl.arange(0, BDV)
+    e = tl.program_id(2) * BV + tl.arange(0, BV)
     alpha = tl.load(alpha_ptr + pid)
     m = tl.load(m_ptr + pid * D + d, mask=d < D, other=0.0)
     ok = rows < N
@@ -101,24 +101,33 @@ def _readout(q_ptr, alpha_ptr, m_ptr, s_ptr, out_ptr, half_ptr, den_ptr, BH, N, 
                  other=0.0).to(tl.float32)
     a = tl.where(d[None, :] < D, qq * alpha + m[None, :], float("-inf"))  # the query absorbs the keys' shift
     fq = tl.exp(a - tl.max(a, 1)[:, None])
-    s, z = load_state(s_ptr, pid * D * (DV + 1), D, DV, BD, BDV)
+    s, z = state_tile(s_ptr, pid * D * (DV + 1), d, e, D, DV)
     den = tl.maximum(tl.sum(fq * z[None, :], 1), TINY)
     p = fq * z[None, :] * (1.0 / den)[:, None]
-    mu = _values_centre(s_ptr, pid * D * (DV + 1), DV, BDV)  # out = mu + p (S / z - mu): p's row sums to 1
+    mu = _values_centre(s_ptr, pid * D * (DV + 1), e, DV)  # out = mu + p (S / z - mu): p's row sums to 1
     # half operands: p in [0, 1] (a row sums to 1), S / z - mu (S / z, mu weighted means of v: |.| <= 2 max |v|)
     o = mu[None, :] + half_dot(p, s * (1.0 / tl.maximum(z, TINY))[:, None] - mu[None, :], HALF_TY, EMULATE)
     at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
     tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (e[None, :] < DV))
     if AVERAGED:
         tl.store(half_ptr + at, o.to(q_ptr.dtype.element_ty), mask=ok[:, None] & (e[None, :] < DV))
-    tl.store(den_ptr + pid * N + rows, den, mask=ok)
+    if tl.program_id(2) == 0:
+        tl.store(den_ptr + pid * N + rows, den, mask=ok)
 
 
 @triton.jit
-def _values_centre(s_ptr, at, DV, BDV: tl.constexpr):
-    """The first feature's row of the state [S, z] (D, DV+1) at ``s_ptr + at``, S_0 / z_0 (BDV,): a weighted mean of
-    the values (0 where no key), the centre of ``_readout``'s operand S / z - mu."""
-    e = tl.arange(0, BDV)
+def state_tile(ptr, at, d, e, D, DV):
+    """Of a state [S, z] stored (D, DV+1) fp32 at ``ptr + at``: S's rows d and columns e (len(d), len(e)) and z's
+    rows d, 0 outside."""
+    row = ptr + at + d * (DV + 1)
+    return (tl.load(row[:, None] + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0),
+            tl.load(row + DV, mask=d < D, other=0.0))
+
+
+@triton.jit
+def _values_centre(s_ptr, at, e, DV):
+    """Columns e of the first feature's row of the state [S, z] (D, DV+1) at ``s_ptr + at``, S_0 / z_0 (len(e),): a
+    weighted mean of the values (0 where no key), the centre of ``_readout``'s operand S / z - mu."""
     return tl.load(s_ptr + at + e, mask=e < DV, other=0.0) / tl.maximum(tl.load(s_ptr + at + DV), TINY)
 
 
@@ -143,10 +152,10 @@ def lln_noncausal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, 
                             BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
                             HAS_MASK=mask is not None, **launch("lln_noncausal_state", d))
     torch.sum(part, 2, out=s)
-    _readout[(b * h, cdiv(n, ROWS))](q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS,
-                                     FAIRSEQ=fairseq, BD=block(d), BDV=block(dv), HALF_TY=HALF[q.dtype],
-                                     EMULATE=emulate_half_dot(q.dtype), AVERAGED=averaged,
-                                     **launch("lln_noncausal_readout", d))
+    readout = launch("lln_noncausal_readout", d, dv)
+    _readout[(b * h, cdiv(n, ROWS), cdiv(dv, readout["BV"]))](
+        q, alpha, m, s, out, half, den, b * h, n, d, dv, sqk, BLOCK=ROWS, FAIRSEQ=fairseq, BD=block(d),
+        HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), AVERAGED=averaged, **readout)
     return out, half, s, den, m
 
 
