@@ -105,8 +105,8 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             # (AVERAGED: an fp32 out and its half copy) is the same code and one store more
             (lln_causal_backward._grad_states, "lln_causal_grad_ends", dict(BC=64, ENDS=True)),
             (lln_causal_backward._grad_states, "lln_causal_grad_states", dict(BC=64, ENDS=False)),
-            (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, V_AT_QK=True, **common)),
-            (lln_causal_backward._value_grads, "lln_causal_value_grads", dict(BC=64, V_AT_QK=True, **common)),
+            (lln_causal_backward._grads, "lln_causal_grads", dict(BC=64, **common)),
+            (lln_causal_backward._value_grads, "lln_causal_value_grads", dict(BC=64, **common)),
             (lln_noncausal._state, "lln_noncausal_state", dict(BLOCK=lln_noncausal.ROWS, **common)),
             (lln_noncausal._readout, "lln_noncausal_readout",
              dict(BLOCK=lln_noncausal.ROWS, AVERAGED=False, HALF_TY=half, EMULATE=False)),
@@ -186,8 +186,6 @@ def _compile_args(kernel, key: str, consts: dict, half: str, d: int, change: Opt
     params = inspect.signature(kernel.fn).parameters
     # FAIRSEQ: the kernels read and write fairseq's layout, as the module's head split gives q, k, v
     consts = {p: v for p, v in {**dict(BD=d, BDV=d, BR=d, FAIRSEQ=True), **consts, **settings}.items() if p in params}
-    if consts.get("V_AT_QK") and min(consts.get("BF", d), consts.get("BV", d)) < d:  # v's offsets q's only where a
-        consts["V_AT_QK"] = False  # program's features or value columns are all of them (``lln_causal_backward``)
     types = {p: "constexpr" if p in consts else ("*" + half if p in HALF_POINTERS else "*u8" if p in MASKS else
              "*fp64" if p in DOUBLES else "*i64" if p in LONGS else
              "*i32" if p in INDICES else "*fp32" if p.endswith("_ptr") else "fp32" if p in FLOATS else "i32")

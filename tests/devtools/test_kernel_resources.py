@@ -99,9 +99,9 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
                      "--variants-at", "fp16:64")
     limit = SHARED_KIB[90] * 1024
     at_launch = [row for row in rows if not row["change"]]
-    # tf32 twice where it applies; BV: the 4 walks, the causal _value_grads, the non-causal _readout and _rows_grad
-    # and the block softmax's backward
-    assert len(at_launch) == 4 * 34 and len(rows) == 4 * 34 + 21 * 2 + 8
+    # tf32 twice where it applies; BV: the 4 walks, the causal _outputs, _grads and _value_grads, the non-causal
+    # _readout and _rows_grad and the block softmax's backward
+    assert len(at_launch) == 4 * 34 and len(rows) == 4 * 34 + 21 * 2 + 10
     # LAUNCH's settings always fit; of the alternatives only tf32x3's split operands in the Nyström backward don't
     assert all(row["shared_bytes"] <= limit for row in at_launch)
     over = [(row["kernel"], row["change"]) for row in rows if row["shared_bytes"] > limit]

@@ -90,7 +90,7 @@ def test_launches_record_the_jit_s_specialisation():
     from dev.perf.launches import record
     launches = record("lln", True, n=128, batch=2, heads=2, embed=64)
     outputs = next(x for x in launches if x["function"].endswith("lln_causal._outputs"))
-    assert outputs["grid"] == [2, 4] and outputs["options"]["num_warps"] == 4  # LAUNCH's at D = 32
+    assert outputs["grid"] == [2, 4, 1] and outputs["options"]["num_warps"] == 4  # LAUNCH's at D = 32
     assert outputs["args"]["N"] == dict(value=128, type="i32", spec="D")
     assert outputs["args"]["H"]["spec"] == "" and outputs["args"]["q_ptr"]["spec"] == "D"
     assert outputs["args"]["q_ptr"]["tensor"]["shape"] == [2, 2, 128, 32]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers import padding_mask
-from test_lln_fused import DTYPES, TWO_OF_FOUR, check_against_reference, inputs, run
+from test_lln_fused import DTYPES, EXTENDED, TWO_OF_FOUR, check_against_reference, inputs, run
 
 pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the interpreter (common.py)
 
@@ -16,15 +16,33 @@ pytest.importorskip("triton", minversion="3.9")  # runtime loop bounds in the in
 @pytest.mark.parametrize("dtype, side", TWO_OF_FOUR)
 def test_causal_fused_walks_split_over_value_columns(gen, monkeypatch, dtype, side):
     """BV (``triton/common.LAUNCH``, a tuning choice) below Dv: the walks over the chunks (states, and G_c in the
-    backward) split over value columns as well, 3 blocks of 16 for Dv = 40 (the last partial), the ones column
-    written once, and so does the backward's ``_value_grads`` (dv), while its ``_grads`` (dq, dk) splits D = 20
-    into 2 blocks of 16 features (BF, the last partial: each block its rows of S_c and G_c, the in-chunk product
-    formed whole by each); against the float64 reference."""
+    backward, its go's ones column over the value columns a block at a time) split over value columns as well, 3
+    blocks of 16 for Dv = 40 (the last partial), the ones column written once, and so do the forward's ``_outputs``
+    (the shifts and den stored once) and the backward's ``_value_grads`` (dv), while its ``_grads`` (dq, dk) splits
+    D = 20 into 2 blocks of 16 features (BF, the last partial: each block its rows of S_c and G_c, the in-chunk
+    product formed whole by each, over the value columns 16 at a time); ``_outputs`` and ``_value_grads`` read the
+    features 16 at a time (2 steps, the last partial); against the float64 reference."""
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_states": {"BV": 16},
+                                                            "lln_causal_outputs": {"BF": 16, "BV": 16},
                                                             "lln_causal_grad_states": {"BV": 16},
-                                                            "lln_causal_grads": {"BF": 16},
-                                                            "lln_causal_value_grads": {"BV": 16}}))
+                                                            "lln_causal_grads": {"BF": 16, "BV": 16},
+                                                            "lln_causal_value_grads": {"BF": 16, "BV": 16}}))
     q, k, v = inputs(gen, DTYPES[dtype], 19, dv=40)
+    check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 19, side, gen))
+
+
+@pytest.mark.parametrize("dtype, side", [("bfloat16", "left"), pytest.param("float16", "right", marks=EXTENDED)])
+def test_causal_fused_at_head_sizes_in_blocks_of_128(gen, dtype, side):
+    """D = 80, Dv = 96 (blocks of 128: ``LAUNCH_128``'s settings, which split every kernel of a D = 128 head): the
+    forward's outputs in programs of 64 value columns (the last partial) over steps of 32 features (the last
+    partial), the backward's walk in programs of 64 value columns, its dq, dk in blocks of 32 features (the last
+    partial) over steps of 32 value columns, its dv over steps of 32 features; against the float64 reference."""
+    from linattn.ops.triton.common import launch
+
+    outputs, walk, qk, values = (launch(key, 80, 96) for key in (
+        "lln_causal_outputs", "lln_causal_grad_states", "lln_causal_grads", "lln_causal_value_grads"))
+    assert (outputs["BF"], outputs["BV"], walk["BV"], qk["BF"], qk["BV"], values["BF"]) == (32, 64, 64, 32, 32, 32)
+    q, k, v = inputs(gen, DTYPES[dtype], 19, d=80, dv=96)
     check_against_reference(gen, q, k, v, dtype, causal=True, mask=padding_mask(2, 19, side, gen))
 
 

@@ -68,13 +68,14 @@ def test_launch_takes_the_wide_block_settings_where_d_or_dv_needs_a_block_of_128
     environment's override still wins."""
     from linattn.ops.triton import common
 
-    base = launch("lln_causal_grads", 64)
-    monkeypatch.setattr(common, "LAUNCH_128", {"lln_causal_grads": {"num_warps": 2 * base["num_warps"]}})
-    assert launch("lln_causal_grads", 64) == launch("lln_causal_grads", 40, 64) == base
+    kernel = "lln_noncausal_rows_grad"  # no BF or BV, which a block caps
+    base = launch(kernel, 64)
+    monkeypatch.setattr(common, "LAUNCH_128", {kernel: {"num_warps": 2 * base["num_warps"]}})
+    assert launch(kernel, 64) == launch(kernel, 40, 64) == base
     for d, dv in ((65, 0), (128, 0), (64, 100)):
-        assert launch("lln_causal_grads", d, dv) == {**base, "num_warps": 2 * base["num_warps"]}, (d, dv)
-    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"lln_causal_grads": {"num_warps": 1}}))
-    assert launch("lln_causal_grads", 128)["num_warps"] == 1
+        assert launch(kernel, d, dv) == {**base, "num_warps": 2 * base["num_warps"]}, (d, dv)
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({kernel: {"num_warps": 1}}))
+    assert launch(kernel, 128)["num_warps"] == 1
 
 
 def test_launch_settings_follow_a_replaced_table_and_are_the_callers_own(monkeypatch):

@@ -33,11 +33,11 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_causal_ends": dict(BF=16, BV=128, num_warps=4, num_stages=2),
           "lln_causal_states": dict(BF=16, BV=128, SPLIT=32, num_warps=4, num_stages=2),
-          "lln_causal_outputs": dict(num_warps=4, num_stages=1, TF32=True),
+          "lln_causal_outputs": dict(BF=64, BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_causal_grad_ends": dict(BF=16, BV=128, num_warps=4, num_stages=2, TF32=True),
           "lln_causal_grad_states": dict(BF=16, BV=128, SPLIT=32, num_warps=4, num_stages=2, TF32=True),
-          "lln_causal_grads": dict(BF=16, num_warps=4, num_stages=1, TF32=True),
-          "lln_causal_value_grads": dict(BV=64, num_warps=4, num_stages=1, TF32=True),
+          "lln_causal_grads": dict(BF=16, BV=128, num_warps=4, num_stages=1, TF32=True),
+          "lln_causal_value_grads": dict(BF=64, BV=64, num_warps=4, num_stages=1, TF32=True),
           "lln_noncausal_state": dict(num_warps=4, num_stages=2),
           "lln_noncausal_readout": dict(BV=64, num_warps=8, num_stages=1),
           "lln_noncausal_state_grad": dict(num_warps=8, num_stages=2),
@@ -62,17 +62,20 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 
 # At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
 # memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
-# over an H100's 227 KiB a block), and more warps for the kernels that spill less with them (docs/benchmarks.md,
-# Fused kernels' registers, D = 128), and fewer value columns a program for the non-causal ``_readout`` (32: two
-# blocks an SM on 8 warps). At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM:
-# on 4 warps (at most 255 registers a thread, and no product replicated across warpgroups: at 8 warps a chained
-# product's 64 rows are held and computed by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a
-# kernel holds at most 128 (the non-causal ``_readout`` and ``_state_grad``, their products of half operands).
+# over an H100's 227 KiB a block), more warps for the kernels that spill less with them (docs/benchmarks.md,
+# Fused kernels' registers, D = 128), fewer value columns a program for the non-causal ``_readout`` (32: two
+# blocks an SM on 8 warps), and the causal LLN kernels' tiles cut to (C, 32) or (C, 64) on 4 warps, two blocks an
+# SM: ``_outputs`` and ``_value_grads`` step over 32 features, ``_grads`` over 32 value columns (of its 32
+# features), the backward's walk takes 64 (BF, BV; ``_outputs``' BV splits it over programs of 64 value columns).
+# At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM: on 4 warps (at most 255 registers a
+# thread, and no product replicated across warpgroups: at 8 warps a chained product's 64 rows are held and computed
+# by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a kernel holds at most 128 (the non-causal
+# ``_readout`` and ``_state_grad``, their products of half operands).
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
               "lln_causal_ends": dict(num_warps=8),
-              "lln_causal_outputs": dict(num_warps=8), "lln_causal_grad_ends": dict(num_warps=8),
-              "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
-              "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(BV=32, num_warps=8),
+              "lln_causal_outputs": dict(BF=32), "lln_causal_grad_ends": dict(BV=64),
+              "lln_causal_grad_states": dict(BV=64), "lln_causal_grads": dict(BF=32, BV=32),
+              "lln_causal_value_grads": dict(BF=32), "lln_noncausal_readout": dict(BV=32, num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
               "lavo_local": dict(num_warps=8), "lavo_memory": dict(num_warps=8),
               "lavo_bases_grad": dict(BLOCK=16, COLS=32),

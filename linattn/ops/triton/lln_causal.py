@@ -19,10 +19,13 @@ in the kernels (the running key maximum by ``_states`` as it walks the chunks).
   launches and a read of k fewer). The ends' pass reads k and v once more; the alternative, each segment's local
   states stored and composed with their carry where ``_outputs`` reads them, would write the states a second time
   for the backward (which reads the composed ones) and add a state tile to ``_outputs``' registers.
-- ``_outputs``, grid (chunks, B*H): every chunk at once from its stored state (g, rho and lse stored for the
-  backward): W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by
+- ``_outputs``, grid (chunks, B*H, Dv / BV): every chunk at once from its stored state (g, rho and lse stored for
+  the backward): W_ij = phi_q(q_i)·phi_k(k_j) e^(g_j - rho_i) for j <= i (C×C in registers; later keys removed by
   selection, so no output depends on a future token, also through rounding), out = (W [v, 1] + e^(-rho) phi_q
-  [S_c, z_c]) divided by its last column.
+  [S_c, z_c]) divided by its last column, for a block of BV value columns (each block forming W again). The
+  features are read BF at a time, twice (their maxima g and lse, then the products summed over the blocks): at
+  D = Dv = 128 (``LAUNCH_128``: BF = 32, BV = 64) a (C, 32) tile of q, k and a (32, 64) one of the state, on 4 warps
+  at two blocks an SM, where the whole (C, 128) tiles and state took 8 warps and 128 KiB of shared memory, one block.
 
 Only ``_states`` walks the chunks, split over feature and value blocks and segments of chunks; a walk of one program
 per head would leave most of a GPU idle at the training shapes (B*H = 12 programs at 32K tokens a step, 48 with the
@@ -41,11 +44,11 @@ from .common import (
     TINY,
     block,
     block_rows,
+    cdiv,
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
     launch,
-    load_state,
     mask_bytes,
     new_rows,
     tile_at,
@@ -124,49 +127,72 @@ def _states(k_ptr, v_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, s_ptr, ends_ptr, B
 @triton.jit
 def _outputs(q_ptr, k_ptr, v_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, g_ptr, rho_ptr, lse_ptr, s_ptr, out_ptr,
              half_ptr, den_ptr, BH, H, N, D, DV, SQK, SV, NC, C, BC: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
-             WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, AVERAGED: tl.constexpr):
-    """One chunk of one head: stores its out (C, DV), den (C,) (LLN eq. 9 with the state before the chunk) and its
-    shifts g, rho, lse (C,); AVERAGED: out in fp32 and, at ``half_ptr``, rounded to the half dtype too. q, k, v (head
-    strides SQK, SV) and out in fairseq's layout (FAIRSEQ) or contiguous (``common.tile_at``)."""
+             BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+             HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, AVERAGED: tl.constexpr):
+    """One chunk of one head, value columns BV*l .. BV*(l+1): stores their out (C, BV) and, the programs of l = 0,
+    den (C,) (LLN eq. 9 with the state before the chunk) and the shifts g, rho, lse (C,); AVERAGED: out in fp32 and,
+    at ``half_ptr``, rounded to the half dtype too. q, k, v (head strides SQK, SV) and out in fairseq's layout
+    (FAIRSEQ) or contiguous (``common.tile_at``). The features are read BF at a time, twice: their maxima (the
+    shifts), then phi_q, phi_k (C, BF) and the state's rows (BF, BV), their products summed over the blocks."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
-    d = tl.arange(0, BD)
-    e = tl.arange(0, BDV)
-    dok = d < D
+    e = tl.program_id(2) * BV + tl.arange(0, BV)
     eok = e < DV
     alpha = tl.load(alpha_ptr + pid)
     beta = tl.load(beta_ptr + pid)
     i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
-    s, z = load_state(s_ptr, (pid * NC + c) * D * (DV + 1), D, DV, BD, BDV)
-    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
-    live = key_ok[:, None] & dok[None, :]
-    bk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
-                 other=0.0).to(tl.float32) * beta
-    g = tl.maximum(tl.max(tl.where(live, bk - mp[None, :], float("-inf")), 1), 0.0)  # a key's excess, 0 if padded
+    g = tl.zeros((BC,), tl.float32)  # a key's excess, 0 if padded
+    lse = tl.full((BC,), float("-inf"), tl.float32)  # the query's own shift
+    for f in range(0, BD, BF):
+        d = f + tl.arange(0, BF)
+        dok = d < D
+        mp, bk, qq = _chunk_rows(q_ptr, k_ptr, mp_ptr, pid, c, rows, ok, d, beta, N, D, SQK, NC, BH, FAIRSEQ)
+        g = tl.maximum(g, tl.max(tl.where(key_ok[:, None] & dok[None, :], bk - mp[None, :], float("-inf")), 1))
+        lse = tl.maximum(lse, tl.max(tl.where(dok[None, :], mp[None, :] + qq * alpha, float("-inf")), 1))
     rho = tl.max(tl.where(i[None, :] <= i[:, None], g[None, :], 0.0), 1)  # the largest excess a query sees
-    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
-                 other=0.0).to(tl.float32)
-    a = mp[None, :] + qq * alpha
-    lse = tl.max(tl.where(dok[None, :], a, float("-inf")), 1)  # the query's own shift
     shift = (pid * NC + c) * C + i
-    tl.store(g_ptr + shift, g, mask=i < C)
-    tl.store(rho_ptr + shift, rho, mask=i < C)
-    tl.store(lse_ptr + shift, lse, mask=i < C)
-    fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
-    fq = tl.where(ok[:, None] & dok[None, :], tl.exp(a - lse[:, None]), 0.0)
-    w = half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
+    first = i < tl.where(tl.program_id(2) == 0, C, 0)  # the programs of l = 0 store the shifts and den
+    tl.store(g_ptr + shift, g, mask=first)
+    tl.store(rho_ptr + shift, rho, mask=first)
+    tl.store(lse_ptr + shift, lse, mask=first)
+    w = tl.zeros((BC, BC), tl.float32)  # phi_q phi_kᵀ
+    fqs = tl.zeros((BC, BV), tl.float32)  # phi_q S_c
+    fqz = tl.zeros((BC,), tl.float32)  # phi_q z_c
+    for f in range(0, BD, BF):
+        d = f + tl.arange(0, BF)
+        dok = d < D
+        mp, bk, qq = _chunk_rows(q_ptr, k_ptr, mp_ptr, pid, c, rows, ok, d, beta, N, D, SQK, NC, BH, FAIRSEQ)
+        live = key_ok[:, None] & dok[None, :]
+        fk = tl.exp(tl.where(live, (bk - mp[None, :]) - g[:, None], float("-inf")))  # padded keys: exp(-inf) = 0
+        fq = tl.where(ok[:, None] & dok[None, :], tl.exp(mp[None, :] + qq * alpha - lse[:, None]), 0.0)
+        w += half_dot(fq, tl.trans(fk), HALF_TY, EMULATE)
+        state = s_ptr + ((pid * NC + c) * D + d) * (DV + 1)
+        fqs += wide_dot(fq, tl.load(state[:, None] + e[None, :], mask=dok[:, None] & eok[None, :], other=0.0), WIDE)
+        fqz += tl.sum(fq * tl.load(state + DV, mask=dok, other=0.0)[None, :], 1)
+    w = w * tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
     w = tl.where(i[None, :] <= i[:, None], w, 0.0).to(HALF_TY).to(tl.float32)  # j <= i, by selection
     vv = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :], other=0.0)
     r = tl.exp(-rho)
-    o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * wide_dot(fq, s, WIDE)
-    den = tl.maximum(tl.sum(w, 1) + r * tl.sum(fq * z[None, :], 1), TINY)
+    o = half_dot(w, vv, HALF_TY, EMULATE) + r[:, None] * fqs
+    den = tl.maximum(tl.sum(w, 1) + r * fqz, TINY)
     o = o / den[:, None]
     at = tile_at(pid, rows, e, N, DV, BH, FAIRSEQ)
     tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & eok[None, :])
     if AVERAGED:
         tl.store(half_ptr + at, o.to(HALF_TY), mask=ok[:, None] & eok[None, :])
-    tl.store(den_ptr + pid * N + rows, den, mask=ok)
+    tl.store(den_ptr + pid * N + rows, den, mask=ok & first)
+
+
+@triton.jit
+def _chunk_rows(q_ptr, k_ptr, mp_ptr, pid, c, rows, ok, d, beta, N, D, SQK, NC, BH, FAIRSEQ: tl.constexpr):
+    """Of chunk c of head pid, the features d: m_prev (BF,), beta k and q (C, BF) in fp32, 0 outside."""
+    dok = d < D
+    mp = tl.load(mp_ptr + (pid * D + d) * NC + c, mask=dok, other=0.0)
+    bk = tl.load(k_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
+                 other=0.0).to(tl.float32) * beta
+    qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=ok[:, None] & dok[None, :],
+                 other=0.0).to(tl.float32)
+    return mp, bk, qq
 
 
 @kernel_op("lln_causal")
@@ -189,9 +215,10 @@ def lln_causal(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, mas
     for level in (ends, walk):
         _states[level.grid](k, v, beta, mask_u8, m_prev, m_incl, s, seg_ends, b * h, h, n, d, dv, sqk, sv, nc, chunk,
                             level.seg, ENDS=level is ends, **sizes, **level.settings)
-    _outputs[(nc, b * h)](q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, half, den, b * h, h, n, d, dv,
-                          sqk, sv, nc, chunk, BD=block(d), BDV=block(dv), AVERAGED=averaged, **sizes,
-                          **launch("lln_causal_outputs", d))
+    outputs = launch("lln_causal_outputs", d, dv)  # a program a chunk, head and block of BV value columns
+    _outputs[(nc, b * h, cdiv(dv, outputs["BV"]))](
+        q, k, v, alpha, beta, mask_u8, m_prev, g, rho, lse, s, out, half, den, b * h, h, n, d, dv, sqk, sv, nc, chunk,
+        BD=block(d), AVERAGED=averaged, **sizes, **outputs)
     return out, half, s, den, m_prev, m_incl, g, rho, lse
 
 

@@ -10,22 +10,26 @@ sum_{c' > c} e^(m_incl_c - m_prev_c') A_c' obeys G_(c-1) = A_c + e^(m_prev_c - m
   (``common.walk_grid``), launched twice as the forward's ``_states``: first (ENDS) every segment but the first from
   G = 0 at its last chunk, storing G before its first chunk and the product of its decays e^(m_prev - m_incl); then
   every segment from its carry, the later segments' ends composed from the last (G <- end + decays G), then its
-  chunks, storing each G_c. The ends' pass reads q, grad and out once more, where storing each segment's local G_c
-  and composing them with their carry in ``_grads`` would add a state tile to that kernel's registers (222-253 a
-  thread);
+  chunks, storing each G_c (go's ones column, -grad·out r, over every value column BV at a time). The ends' pass
+  reads q, grad and out once more, where storing each segment's local G_c and composing them with their carry in
+  ``_grads`` would add a state tile to that kernel's registers (178-251 a thread);
 - ``_grads``, grid (chunks, B*H, D / BF): a chunk's dq and dk for a block of features, from the forward's state S_c
   (dq), G_c (dk) and the in-chunk dL/d(q_i·k_j) = (go vᵀ + go_z) e^(g_j - rho_i) for j <= i (LLN eq. 9's
-  weights' gradient, C×C, formed in registers over every value column, later keys removed by selection);
+  weights' gradient, C×C, formed in registers over every value column, BV at a time, later keys removed by
+  selection);
 - ``_value_grads``, grid (chunks, B*H, Dv / BV): a chunk's dv for a block of value columns, from the in-chunk weights
-  (phi_q phi_k^T) e^(g_j - rho_i), j <= i (C×C) and G_c.
+  (phi_q phi_k^T) e^(g_j - rho_i), j <= i (C×C, over every feature, BF at a time) and G_c.
 
 dq and dk share the in-chunk gradient dL/d(q_i·k_j), dv the in-chunk weights: the two C×C tiles, which one kernel
 held together with S_c, G_c and every (C, D) tile (255 registers a thread on 8 warps, spilling 104-136 bytes at D =
 64 and 1.5 KiB at 128 on sm_90), are split between two kernels as flash-linear-attention splits its chunked
 backward (dq, dk in one kernel, dv in another); neither needs the other's results (no sum across kernels, no fp32
-scratch), and only G_c is read twice. ``_grads`` takes a block of BF = 32 features a program and ``_value_grads``
-BV = 64 value columns (``LAUNCH``), each block forming its C×C tile again, so that their state tiles are (32, Dv)
-and (D, 64): on sm_90 neither spills at D = 64 or 128 (Triton 3.6 and 3.9; BF = 64 spills 32 bytes with 3.6).
+scratch), and only G_c is read twice. ``_grads`` takes a block of BF = 16 features a program and ``_value_grads``
+BV = 64 value columns (``LAUNCH``), each block forming its C×C tile again; at D = Dv = 128 (``LAUNCH_128``)
+``_grads`` takes 32 features and steps over the value columns 32 at a time, forming its features' tiles after
+them, and ``_value_grads`` steps over the features 32 at a time (and the walk takes BV = 64), so that every tile is
+(C, 32), (C, 64) or C×C: on sm_90 none spills at D = 64 or 128, each on 4 warps at two blocks an SM (Triton 3.6
+and 3.9; ``_grads`` in steps of 64 value columns at D = 128 spills 32-72 bytes).
 
 go = r grad (r = scale / den) is unbounded, so its products with the features and states are ``wide_dot``'s (fp32,
 or tf32 as ``LAUNCH`` sets); go vᵀ is r (grad vᵀ), grad and v both half: exact products on tensor cores, as are the
@@ -58,15 +62,18 @@ from .kernel_op import kernel_op
 
 
 @triton.jit
-def _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ: tl.constexpr, scale, pid, rows, ok, N, DV, BDV: tl.constexpr):
-    """go = scale [grad, -grad·out] / den (``parallel._scaled_output_grad``) of a chunk's rows as grad (C, DV) (exact
-    in the half dtype), the row scale r = scale / den (C,) (go's value columns: grad r) and the ones column (C,)."""
-    e = tl.arange(0, BDV)
-    re = ok[:, None] & (e[None, :] < DV)
-    den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
-    gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
-    ou = tl.load(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
-    return gr, scale / den, -tl.sum(gr * ou, 1) * (scale / den)
+def _ones_grad(grad_ptr, out_ptr, BH, FAIRSEQ: tl.constexpr, pid, rows, ok, N, DV, BC: tl.constexpr,
+               BDV: tl.constexpr, BV: tl.constexpr):
+    """grad·out (C,) of a chunk's rows, over the DV columns BV at a time (a (C, BV) tile of each, not (C, DV)): go's
+    ones column is -scale grad·out / den (``parallel._scaled_output_grad``)."""
+    acc = tl.zeros((BC,), tl.float32)
+    for j in range(0, BDV, BV):
+        e = j + tl.arange(0, BV)
+        re = ok[:, None] & (e[None, :] < DV)
+        gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+        ou = tl.load(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+        acc += tl.sum(gr * ou, 1)
+    return acc
 
 
 @triton.jit
@@ -113,11 +120,10 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
         rd = ok[:, None] & dok[None, :]
         qq = tl.load(q_ptr + tile_at(pid, rows, d, N, SQK, BH, FAIRSEQ), mask=rd, other=0.0).to(tl.float32)
         fqr = tl.where(rd, tl.exp((mp[None, :] + qq * alpha) - lse[:, None] - rho[:, None]), 0.0)  # phi_q e^(-rho)
-        gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV,
-                                   BDV)  # goz: every column
-        if BV < BDV:  # this program's value columns of grad
-            gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :],
-                         other=0.0).to(tl.float32)
+        rs = scale / tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # go = scale [grad, -grad·out] / den
+        goz = -_ones_grad(grad_ptr, out_ptr, BH, FAIRSEQ, pid, rows, ok, N, DV, BC, BDV, BV) * rs  # every column
+        gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=ok[:, None] & eok[None, :],
+                     other=0.0).to(tl.float32)  # this program's value columns
         go = gr * rs[:, None]
         # G_(c-1) = A_c + e^(m_prev_c - m_incl_c) G_c, A_c = (phi_q e^(-rho))^T go (LLN eq. 9's state, backward)
         decay = tl.exp(tl.minimum(mp - mi, 0.0))
@@ -135,10 +141,10 @@ def _grad_states(q_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, mp_ptr, mi_ptr, r
 
 @triton.jit
 def _state_rows(ptr, at, d, e, D, DV):
-    """Of a state [S, z] stored (D, DV+1) fp32 at ``ptr + at``: S's rows d, columns e, and z's rows d; 0 outside."""
+    """Of a state [S, z] stored (D, DV+1) fp32 at ``ptr + at``: S's rows d, columns e; 0 outside (z, the last
+    column: ``ptr + at + d * (DV + 1) + DV``)."""
     row = ptr + at + d * (DV + 1)
-    return (tl.load(row[:, None] + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0),
-            tl.load(row + DV, mask=d < D, other=0.0))
+    return tl.load(row[:, None] + e[None, :], mask=(d[:, None] < D) & (e[None, :] < DV), other=0.0)
 
 
 @triton.jit
@@ -169,80 +175,98 @@ def _chunk_features(q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr,
 @triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, grad_ptr, out_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr,
            rho_ptr, lse_ptr, s_ptr, gs_ptr, dq_ptr, dk_ptr, BH, scale, H, N,
-           D, DV, SQK, SV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BDV: tl.constexpr, HALF_TY: tl.constexpr,
-           EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr,
-           V_AT_QK: tl.constexpr):
+           D, DV, SQK, SV, NC, C, BC: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BDV: tl.constexpr,
+           HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+           FAIRSEQ: tl.constexpr):
     """One chunk of one head, features BF*j .. BF*(j+1): stores their dq and dk (C, BF), computed in fp32, in the
     inputs' dtype (q, k, dq, dk at X = SQK, v at SV: fairseq's layout (FAIRSEQ) or contiguous,
-    ``common.inputs_in_layout``; V_AT_QK: one block of features, v's offsets q's); both from the in-chunk product
-    dL/d(q_i·k_j) (``dqk``, over every value column: each block of features forms it), which ``_value_grads`` does
-    not need."""
+    ``common.inputs_in_layout``); both from the in-chunk product dL/d(q_i·k_j) (``dqk``, over every value column:
+    each block of features forms it), which ``_value_grads`` does not need. The value columns are read BV at a
+    time (grad, out, v (C, BV) and the states' (BF, BV)), their products with them summed over the blocks."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
     d = tl.program_id(2) * BF + tl.arange(0, BF)
-    e = tl.arange(0, BDV)
+    _, rows, ok, _ = block_rows(mask_ptr, c, pid, H, N, C, BC, False)  # the rows of grad, out and v
+    rs = scale / tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)  # go = scale [grad, -grad·out] / den
+    state = (pid * NC + c) * D * (DV + 1)
+    gvh = tl.zeros((BC, BC), tl.float32)  # grad vᵀ
+    gos = tl.zeros((BC, BF), tl.float32)  # go S_cᵀ: the queries' part through the state
+    vgs = tl.zeros((BC, BF), tl.float32)  # v G_cᵀ: the keys' part through the later chunks' queries
+    gro = tl.zeros((BC,), tl.float32)  # grad·out
+    for j in range(0, BDV, BV):
+        e = j + tl.arange(0, BV)
+        re = ok[:, None] & (e[None, :] < DV)
+        gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+        ou = tl.load(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
+        gro += tl.sum(gr * ou, 1)
+        # v in its half dtype (fewer registers): exact as fp32
+        vh = tl.load(v_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), mask=re, other=0.0)
+        # go vᵀ = r (grad vᵀ): grad and v are half, so their products are exact on tensor cores
+        gvh += half_dot(gr, tl.trans(vh), HALF_TY, EMULATE)
+        sv = _state_rows(s_ptr, state, d, e, D, DV)  # S_c's rows of these features
+        gos += wide_dot(gr * rs[:, None], tl.trans(sv), WIDE)
+        gv = _state_rows(gs_ptr, state, d, e, D, DV)  # G_c's
+        vgs += wide_dot(vh.to(tl.float32), tl.trans(gv), WIDE)
+    goz = -gro * rs
+    # the features' tiles after the value columns' products: fewer tiles live at once
     i, rows, ok, at, rd, alpha, beta, mi, g, rho, fq, fk, bk, live = _chunk_features(
         q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d, BH, H, N, D,
         SQK, NC, C, BC, HAS_MASK, FAIRSEQ)
-    if V_AT_QK:  # v's rows where q's and k's are (packed siblings, or D = Dv): one tile of offsets
-        at_v = at
-    else:
-        at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)
-    re = ok[:, None] & (e[None, :] < DV)
-    gr, rs, goz = _output_grad(grad_ptr, out_ptr, den_ptr, BH, FAIRSEQ, scale, pid, rows, ok, N, DV, BDV)
-    vh = tl.load(v_ptr + at_v, mask=re, other=0.0)  # v in its half dtype (fewer registers): exact as fp32
-    go = gr * rs[:, None]
     # inside the chunk: j <= i, by selection
     causal = i[None, :] <= i[:, None]
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-    # go vᵀ = r (grad vᵀ): grad and v are half, so their products are exact on tensor cores
-    dqk = tl.where(causal, (half_dot(gr, tl.trans(vh), HALF_TY, EMULATE) * rs[:, None] + goz[:, None]) * ex, 0.0)
+    dqk = tl.where(causal, (gvh * rs[:, None] + goz[:, None]) * ex, 0.0)
     # each gradient stored once complete: fewer fp32 tiles live at once
     # dq: the queries' part through the state S_c, and inside the chunk
-    sv, sz = _state_rows(s_ptr, (pid * NC + c) * D * (DV + 1), d, e, D, DV)  # S_c's rows of these features
-    dfq = tl.exp(-rho)[:, None] * (wide_dot(go, tl.trans(sv), WIDE) + goz[:, None] * sz[None, :])
+    sz = tl.load(s_ptr + state + d * (DV + 1) + DV, mask=d < D, other=0.0)  # S_c's ones column, z
+    dfq = tl.exp(-rho)[:, None] * (gos + goz[:, None] * sz[None, :])
     dfq += wide_dot(dqk, fk, WIDE)
     tl.store(dq_ptr + at, (dfq * fq * alpha).to(dq_ptr.dtype.element_ty), mask=rd)
     # dk: the keys' part inside the chunk, and through the later chunks' queries, G_c
     dbk = wide_dot(tl.trans(dqk), fq, WIDE) * fk
-    gv, gz = _state_rows(gs_ptr, (pid * NC + c) * D * (DV + 1), d, e, D, DV)
+    gz = tl.load(gs_ptr + state + d * (DV + 1) + DV, mask=d < D, other=0.0)  # G_c's
     fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
-    dbk += (wide_dot(vh.to(tl.float32), tl.trans(gv), WIDE) + gz[None, :]) * fki
+    dbk += (vgs + gz[None, :]) * fki
     tl.store(dk_ptr + at, (dbk * beta).to(dk_ptr.dtype.element_ty), mask=rd)
 
 
 @triton.jit
 def _value_grads(q_ptr, k_ptr, grad_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr,
                  lse_ptr, gs_ptr, dv_ptr, BH, scale, H, N, D, DV, SQK, SV, NC, C, BC: tl.constexpr,
-                 BD: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-                 HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, V_AT_QK: tl.constexpr):
+                 BD: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+                 HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
     """One chunk of one head, value columns BV*l .. BV*(l+1): stores their dv (C, BV), computed in fp32, in v's
-    dtype (at X = SV, or at q's offsets (V_AT_QK: one block of value columns)): the values' part inside the chunk
-    (the in-chunk weights w, C×C, which each block of value columns forms) and through the later chunks' queries
-    (G_c); reads no v and no output (go's value columns only)."""
+    dtype (at X = SV): the values' part inside the chunk (the in-chunk weights w, C×C, which each block of value
+    columns forms) and through the later chunks' queries (G_c); reads no v and no output (go's value columns only).
+    The features are read BF at a time (phi_q, phi_k (C, BF), G_c's rows (BF, BV)), their products summed over the
+    blocks."""
     c = tl.program_id(0)
     pid = tl.program_id(1)
-    d = tl.arange(0, BD)
     e = BV * tl.program_id(2) + tl.arange(0, BV)
-    i, rows, ok, at, rd, alpha, beta, mi, g, rho, fq, fk, bk, live = _chunk_features(
-        q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d, BH, H, N, D,
-        SQK, NC, C, BC, HAS_MASK, FAIRSEQ)
-    if V_AT_QK:
-        at_v = at
-    else:
-        at_v = tile_at(pid, rows, e, N, SV, BH, FAIRSEQ)
+    i, rows, ok, key_ok = block_rows(mask_ptr, c, pid, H, N, C, BC, HAS_MASK)
+    g = tl.load(g_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    rho = tl.load(rho_ptr + (pid * NC + c) * C + i, mask=i < C, other=0.0)
+    w = tl.zeros((BC, BC), tl.float32)  # phi_q phi_kᵀ
+    later = tl.zeros((BC, BV), tl.float32)  # the values' part through the later chunks' queries
+    for f in range(0, BD, BF):
+        d = f + tl.arange(0, BF)
+        _, _, _, _, _, _, _, mi, _, _, fq, fk, bk, live = _chunk_features(
+            q_ptr, k_ptr, alpha_ptr, beta_ptr, mask_ptr, mp_ptr, mi_ptr, g_ptr, rho_ptr, lse_ptr, c, pid, d, BH, H,
+            N, D, SQK, NC, C, BC, HAS_MASK, FAIRSEQ)
+        w += half_dot(fq, tl.trans(fk), HALF_TY, EMULATE)
+        gv = _state_rows(gs_ptr, (pid * NC + c) * D * (DV + 1), d, e, D, DV)  # G_c: its value columns (its ones
+        # column: dk's only)
+        fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
+        later += wide_dot(fki, gv, WIDE)
     re = ok[:, None] & (e[None, :] < DV)
     causal = i[:, None] >= i[None, :]  # key j <= query i
     ex = tl.exp(tl.minimum(g[None, :] - rho[:, None], 0.0))
-    w = tl.where(causal, half_dot(fq, tl.trans(fk), HALF_TY, EMULATE) * ex, 0.0)
+    w = tl.where(causal, w * ex, 0.0)
     den = tl.load(den_ptr + pid * N + rows, mask=ok, other=1.0)
     gr = tl.load(grad_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), mask=re, other=0.0).to(tl.float32)
-    go = gr * (scale / den)[:, None]  # go's value columns (``_output_grad``)
-    gv, _ = _state_rows(gs_ptr, (pid * NC + c) * D * (DV + 1), d, e, D, DV)  # G_c: its value columns (its ones
-    # column: dk's only)
-    fki = tl.exp(tl.where(live, bk - mi[None, :], float("-inf")))
-    dv = wide_dot(tl.trans(w), go, WIDE) + wide_dot(fki, gv, WIDE)
-    tl.store(dv_ptr + at_v, dv.to(dv_ptr.dtype.element_ty), mask=re)
+    go = gr * (scale / den)[:, None]  # go's value columns (``_ones_grad``)
+    dv = wide_dot(tl.trans(w), go, WIDE) + later
+    tl.store(dv_ptr + tile_at(pid, rows, e, N, SV, BH, FAIRSEQ), dv.to(dv_ptr.dtype.element_ty), mask=re)
 
 
 @kernel_op("lln_causal_backward")
@@ -267,19 +291,17 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
         _grad_states[level.grid](q, grad, out, den, alpha, m_prev, m_incl, rho, lse, gs, seg_ends, b * h, scale, n, d,
                                  dv_dim, sqk, nc, c, level.seg, BC=block(c), BDV=block(dv_dim), FAIRSEQ=fairseq,
                                  ENDS=level is ends, **level.settings)
-    # v's offsets q's (V_AT_QK): the same layout and width, a program's columns all of them (BF, BV the whole)
-    same = (sqk, d) == (sv, dv_dim)
     sizes = dict(BC=block(c), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None,
                  FAIRSEQ=fairseq)
     g, s = g.contiguous(), s.contiguous()
     qk = launch("lln_causal_grads", d, dv_dim)  # dq, dk: a program a chunk, head and block of BF features
     _grads[(nc, b * h, cdiv(d, qk["BF"]))](
         q, k, v, grad, out, den, alpha, beta, mask_u8, m_prev, m_incl, g, rho, lse, s, gs, dq, dk, b * h, scale, h, n,
-        d, dv_dim, sqk, sv, nc, c, BDV=block(dv_dim), **sizes, V_AT_QK=same and qk["BF"] == block(d), **qk)
+        d, dv_dim, sqk, sv, nc, c, BDV=block(dv_dim), **sizes, **qk)
     values = launch("lln_causal_value_grads", d, dv_dim)  # dv: a chunk, head and block of BV value columns
     _value_grads[(nc, b * h, cdiv(dv_dim, values["BV"]))](
         q, k, grad, den, alpha, beta, mask_u8, m_prev, m_incl, g, rho, lse, gs, dv, b * h, scale, h, n, d, dv_dim, sqk,
-        sv, nc, c, BD=block(d), **sizes, V_AT_QK=same and values["BV"] == block(dv_dim), **values)
+        sv, nc, c, BD=block(d), **sizes, **values)
     return op_grads(dq, dk, dv, packed)
 
 
