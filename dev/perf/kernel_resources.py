@@ -124,8 +124,8 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BL=128, KEYS=True, **common)),
             (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=False, **common)),
-            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common)),
-            (nystrom_backward._landmarks_grad, "nystrom_landmarks_grad", dict(BL=128, KEYS=True, **common)),
+            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, **common)),
+            (nystrom_backward._landmarks_grad, "nystrom_landmarks_grad", dict(BL=128, **common)),
             (nystrom_inverse._inverse, "nystrom_inverse", dict(BL=128, STEPS=nystrom_inverse.STEPS)),
             (nystrom_inverse._inverse_grad, "nystrom_inverse_grad", dict(BL=128, STEPS=nystrom_inverse.STEPS))] + [
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]

@@ -36,7 +36,7 @@ from .common import (
 from .kernel_op import kernel_op
 
 ROWS = 64  # queries per program of ``_readout`` (``_state``'s rows a step: its launch's BLOCK)
-SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of their BLOCKs)
+SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's two (a multiple of their BLOCKs)
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 the parallel implementation's backward (``skyformer/parallel.backward``) with C rebuilt in registers.
 
 dU = C_Q^T grad by the forward's ``_state`` over the queries, dT = M^-1 dU and dL/dM^-1 = T dU^T (small products);
-then two kernels, each once over the queries (A = grad, W = U) and once over the keys (A = V, W = dT), grid
-(B*H, cdiv(N, SPLIT_ROWS)), each forming dE = C ∘ (A W^T) a step of BLOCK rows at a time: ``_rows_grad``, per block
+then two kernels, each over the queries (A = grad, W = U) and the keys (A = V, W = dT) in one launch, grid
+(B*H, cdiv(N, SPLIT_ROWS), 2), each forming dE = C ∘ (A W^T) a step of BLOCK rows at a time: ``_rows_grad``, per block
 of rows dX_s = dE L - rowsum(dE) X_s; ``_landmarks_grad``, dE^T = C^T ∘ (W A^T) with the landmarks its products'
 rows (as ``_state``'s C^T), each program's share of dL = dE^T X_s - colsum(dE) L, and one ``sum`` over both passes'
 splits adds them (deterministic, no atomics); dV = C_K dT by the forward's ``_readout`` over the keys. Apart, none
@@ -46,10 +46,25 @@ def factors(factor_ptr, pid, L, DV, BL: tl.constexpr, BDV: tl.constexpr):
 
 
 @triton.jit
-def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, BH, s, H, N, SPLIT, D, DV, SX, SA, L,
-               BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr,
-               EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr, WIDE: tl.constexpr,
-               FAIRSEQ: tl.constexpr):
+def _rows_grad(q_ptr, k_ptr, grad_ptr, v_ptr, u_ptr, dt_ptr, land_ptr, used_ptr, mask_ptr, dq_ptr, dk_ptr, BH, s, H,
+               N, SPLIT, D, DV, SX, SG, SV, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+               BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
+               WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """One split of one head's queries (program_id(2) = 0: dq from grad and U) or keys (1: dk from V and dT), by
+    ``rows_pass``; q, k, dq, dk at head stride SX, grad at SG, V at SV."""
+    if tl.program_id(2) == 0:
+        rows_pass(q_ptr, grad_ptr, u_ptr, land_ptr, used_ptr, mask_ptr, dq_ptr, BH, s, H, N, SPLIT, D, DV, SX, SG, L,
+                  BLOCK, BD, BDV, BL, HALF_TY, EMULATE, HAS_MASK, False, WIDE, FAIRSEQ)
+    else:
+        rows_pass(k_ptr, v_ptr, dt_ptr, land_ptr, used_ptr, mask_ptr, dk_ptr, BH, s, H, N, SPLIT, D, DV, SX, SV, L,
+                  BLOCK, BD, BDV, BL, HALF_TY, EMULATE, HAS_MASK, True, WIDE, FAIRSEQ)
+
+
+@triton.jit
+def rows_pass(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, BH, s, H, N, SPLIT, D, DV, SX, SA, L,
+              BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr,
+              EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr, WIDE: tl.constexpr,
+              FAIRSEQ: tl.constexpr):
     """One split of the rows of Q, or of K (KEYS), of one head: dX (0 on padded rows), stored in the inputs' dtype;
     W (L, DV) fp32. X and dX (X = SX), A (SA) in fairseq's layout (FAIRSEQ) or contiguous."""
     pid = tl.program_id(0)
@@ -75,12 +90,28 @@ def _rows_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, dx_ptr, B
 
 
 @triton.jit
-def _landmarks_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SPLIT, FIRST,
-                    TOTAL, D, DV, SX, SA, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+def _landmarks_grad(q_ptr, k_ptr, grad_ptr, v_ptr, u_ptr, dt_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H,
+                    N, SPLIT, D, DV, SX, SG, SV, L, BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
-                    KEYS: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One split of the rows of Q, or of K (KEYS), of one head: part (L, D) = the split's share of dL/dL, at split
-    FIRST + its index of TOTAL; W (L, DV) fp32, X (SX) and A (SA) as ``_rows_grad``'s."""
+                    WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """One split of one head's queries (program_id(2) = 0: grad and U) or keys (1: V and dT): its share of dL/dL by
+    ``landmarks_pass``, into part (B*H, 2, splits, L, D); strides as ``_rows_grad``'s."""
+    at = part_ptr + ((tl.program_id(0) * 2 + tl.program_id(2)) * tl.num_programs(1) + tl.program_id(1)) * L * D
+    if tl.program_id(2) == 0:
+        landmarks_pass(q_ptr, grad_ptr, u_ptr, land_ptr, used_ptr, mask_ptr, at, BH, s, H, N, SPLIT, D, DV, SX, SG,
+                       L, BLOCK, BD, BDV, BL, HALF_TY, EMULATE, HAS_MASK, False, WIDE, FAIRSEQ)
+    else:
+        landmarks_pass(k_ptr, v_ptr, dt_ptr, land_ptr, used_ptr, mask_ptr, at, BH, s, H, N, SPLIT, D, DV, SX, SV,
+                       L, BLOCK, BD, BDV, BL, HALF_TY, EMULATE, HAS_MASK, True, WIDE, FAIRSEQ)
+
+
+@triton.jit
+def landmarks_pass(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, at, BH, s, H, N, SPLIT, D, DV, SX, SA, L,
+                   BLOCK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr,
+                   EMULATE: tl.constexpr, HAS_MASK: tl.constexpr, KEYS: tl.constexpr, WIDE: tl.constexpr,
+                   FAIRSEQ: tl.constexpr):
+    """One split of the rows of Q, or of K (KEYS), of one head: the split's share of dL/dL (L, D) fp32, stored at
+    ``at``; W (L, DV) fp32, X (SX) and A (SA) as ``rows_pass``'s."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
@@ -104,7 +135,6 @@ def _landmarks_grad(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, part
     tile = j[:, None] * D + d[None, :]
     inside = (j[:, None] < L) & (d[None, :] < D)
     land = tl.load(land_ptr + pid * L * D + tile, mask=inside, other=0.0)  # read here: no (L, D) tile held in the loop
-    at = part_ptr + (pid * TOTAL + FIRST + tl.program_id(1)) * L * D  # part (B, H, TOTAL, L, D)
     tl.store(at + tile, dl * s - col[:, None] * land, mask=inside)
 
 
@@ -127,18 +157,15 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
     rows_settings, land_settings = launch("nystrom_rows_grad", d, dv_dim), launch("nystrom_landmarks_grad", d, dv_dim)
     assert split_rows % rows_settings["BLOCK"] == 0 == split_rows % land_settings["BLOCK"], split_rows
     splits = max(1, cdiv(n, split_rows))
-    part = land.new_empty((b, h, 2 * splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
-    mask_u8 = mask_bytes(mask, k)
-    sizes = dict(BD=block(d), BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
-                 EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, FAIRSEQ=fairseq)
-    for first, (x, a, w, dx, sa) in enumerate([(q, grad, u, dq, dv_dim), (k, v, dt, dk, sv)]):
-        _rows_grad[(b * h, splits)](x, a, w, land, used, mask_u8, dx, b * h, d ** -0.25, h, n, split_rows, d,
-                                    dv_dim, sqk, sa, num, KEYS=first == 1, **sizes, **rows_settings)
-        _landmarks_grad[(b * h, splits)](x, a, w, land, used, mask_u8, part, b * h, d ** -0.25, h, n, split_rows,
-                                         first * splits, 2 * splits, d, dv_dim, sqk, sa, num, KEYS=first == 1,
-                                         **sizes, **land_settings)
+    part = land.new_empty((b, h, 2, splits, num, d))  # both passes' splits' dL/dL, summed below: no atomics
+    args = (q, k, grad, v, u, dt, land, used, mask_bytes(mask, k))
+    sizes = (b * h, d ** -0.25, h, n, split_rows, d, dv_dim, sqk, dv_dim, sv, num)
+    consts = dict(BD=block(d), BDV=block(dv_dim), BL=block(num), HALF_TY=HALF[q.dtype],
+                  EMULATE=emulate_half_dot(q.dtype), HAS_MASK=mask is not None, FAIRSEQ=fairseq)
+    _rows_grad[(b * h, splits, 2)](*args, dq, dk, *sizes, **consts, **rows_settings)
+    _landmarks_grad[(b * h, splits, 2)](*args, part, *sizes, **consts, **land_settings)
     forward.kernel_readout(k, dt, land, used, mask, dv, (fairseq, sqk, sv), keys=True)  # dV = C_K dT
-    return (*op_grads(dq, dk, dv, packed), part.sum(2), t @ du.mT)
+    return (*op_grads(dq, dk, dv, packed), part.sum((2, 3)), t @ du.mT)
 
 
 @torch.library.register_fake(nystrom_apply_backward)
