@@ -98,8 +98,8 @@ def test_padded_rows_reach_nothing_whatever_they_hold(gen, side):
 
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=EXTENDED)])
 def test_fused_with_wide_heads_matches_the_reference(gen, dtype):
-    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's exact products, 16 rows a step:
-    N = 37 in three steps, the last one partial)."""
+    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's ``_rows_grad`` and
+    ``_landmarks_grad`` in tf32, 16 rows a step: N = 37 in three steps, the last one partial; dV by ``_readout``)."""
     q, k, v = inputs(gen, DTYPES[dtype], 37, d=72, dv=80)
     check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 37, "left", gen), num_landmarks=24)
 
