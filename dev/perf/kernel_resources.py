@@ -73,9 +73,10 @@ LONGS = ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at LAUNCH's settings (fairseq's layout), per head size, the most of fp16 and bf16 with
 # Triton 3.6 and 3.9: the limit the extended tier holds them to, which only shrinks (docs/design.md §1.3.1; the
 # history of each residue is in docs/benchmarks.md § Fused kernels' registers). At D = 64 none since 0bc1d3b (the
-# causal LLN, LAVO and Nyström backwards split by gradient or stepping fewer rows). At D = 128 the Nyström
-# backward's exact products (16 rows a step on 16 warps: tf32's operands take it over the H100's shared memory).
-RESIDUAL_SPILL_BYTES = {64: {}, 128: {"nystrom_rows_grad": 672}}
+# causal LLN, LAVO and Nyström backwards split by gradient or stepping fewer rows). At D = 128 none since the Nyström
+# backward's rows, landmarks and values went to kernels of their own (its tf32 products within the shared memory,
+# where its exact ones spilled 32 / 672 bytes with Triton 3.6 / 3.9).
+RESIDUAL_SPILL_BYTES = {64: {}, 128: {}}
 # The kernels whose grid at the targets' shapes (docs/benchmarks/predicted_h100.json) is more than two waves of one
 # block an SM and that still hold one block an SM, and why: the ledger ``test_predict`` holds the table to.
 ONE_BLOCK_AN_SM = {
@@ -122,8 +123,9 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BL=128, KEYS=True, **common)),
-            (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, **common)),
-            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, KEYS=True, **common)),
+            (nystrom._readout, "nystrom_readout", dict(BLOCK=nystrom.ROWS, BL=128, KEYS=False, **common)),
+            (nystrom_backward._rows_grad, "nystrom_rows_grad", dict(BL=128, **common)),
+            (nystrom_backward._landmarks_grad, "nystrom_landmarks_grad", dict(BL=128, **common)),
             (nystrom_inverse._inverse, "nystrom_inverse", dict(BL=128, STEPS=nystrom_inverse.STEPS)),
             (nystrom_inverse._inverse_grad, "nystrom_inverse_grad", dict(BL=128, STEPS=nystrom_inverse.STEPS))] + [
         (kernel, key, consts) for consts in (window, own_window) for kernel, key in lavo_kernels]

@@ -45,7 +45,8 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     "block_softmax_backward": [dict(num_warps=8), EXACT, TF32X3],
     "nystrom_state": [dict(BLOCK=64), dict(num_warps=4), dict(num_stages=3)],
     "nystrom_readout": [dict(num_warps=8), EXACT, TF32X3],
-    "nystrom_rows_grad": [dict(BLOCK=32), dict(num_warps=4), EXACT],  # tf32x3: over the shared memory
+    "nystrom_rows_grad": [dict(BLOCK=32), dict(num_warps=4), EXACT, TF32X3],
+    "nystrom_landmarks_grad": [dict(BLOCK=32), dict(num_warps=4), EXACT, TF32X3],
     # the d×d iteration: rows a pass (BLOCK) and warps, exact fp32 FMAs, tf32 alone (the check may refuse it)
     "nystrom_inverse": [dict(BLOCK=64, num_warps=8), dict(BLOCK=16), EXACT, dict(TF32=True)],
     "nystrom_inverse_grad": [dict(BLOCK=32), dict(BLOCK=32, num_warps=8), EXACT, dict(TF32=True)],

@@ -1,6 +1,7 @@
 """Every fused kernel compiled for an H100 (sm_90) without a GPU, through Triton's whole pipeline and its bundled
 ptxas (``dev.perf.kernel_resources``): within the H100's shared memory a block and each method's
-``SHARED_MEMORY_KIB``, and spilling no registers beyond what ``RESIDUAL_SPILL_BYTES`` records (none at D = 64)."""
+``SHARED_MEMORY_KIB``, and spilling no registers beyond what ``RESIDUAL_SPILL_BYTES`` records (none at D = 64 or
+128)."""
 import json
 import os
 import subprocess
@@ -91,7 +92,8 @@ def test_the_launches_specialisation_takes_registers_off(tmp_path):
 @pytest.mark.parametrize("triton_of", ["this venv", "torch 2.11"])
 def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, tmp_path):
     """fp16 and bf16 at D = Dv = 64 and 128, and each kernel's tuning alternatives at fp16, 64 (tf32, tf32x3, exact
-    fp32, value blocks of 32); the shared memory also for an A100; minutes on 2 cores without Triton's cache. Twice:
+    fp32, value blocks of 32); the shared memory also for an A100; no spill beyond ``RESIDUAL_SPILL_BYTES`` (none
+    recorded at either head size); minutes on 2 cores without Triton's cache. Twice:
     with this venv's Triton (3.9, the interpreter's) and with the Triton torch 2.11's CUDA wheels ship (3.6, what the
     H100 ran)."""
     python = sys.executable if triton_of == "this venv" else str(torch_211_python())
@@ -101,11 +103,11 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
     at_launch = [row for row in rows if not row["change"]]
     # tf32 twice where it applies; BV: the 4 walks, the causal _outputs, _grads and _value_grads, the non-causal
     # _readout and _rows_grad and the block softmax's backward
-    assert len(at_launch) == 4 * 34 and len(rows) == 4 * 34 + 21 * 2 + 10
-    # LAUNCH's settings always fit; of the alternatives only tf32x3's split operands in the Nyström backward don't
-    assert all(row["shared_bytes"] <= limit for row in at_launch)
+    assert len(at_launch) == 4 * 35 and len(rows) == 4 * 35 + 22 * 2 + 10
+    # LAUNCH's settings fit, and so do the alternatives (tf32x3's split operands too, since the Nyström backward's
+    # rows and landmarks went to kernels of their own)
     over = [(row["kernel"], row["change"]) for row in rows if row["shared_bytes"] > limit]
-    assert over == [("nystrom_rows_grad", {"WIDE": 3})]
+    assert over == []
     # each method's SHARED_MEMORY_KIB, which keeps its kernels off devices with less, bounds its kernels' blocks
     from linattn.ops.block_softmax import fused as block
     from linattn.ops.lavo import fused as lavo
@@ -114,11 +116,11 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
     tables = {"lln_": lln, "block_softmax": block, "nystrom_": skyformer, "lavo_": lavo}
     # also as built for an A100 (sm_80), which the same table admits at D = 64
     a100 = resources(python, tmp_path, "--arch", "80", "--configs", "fp16:64", "bf16:64", "fp16:128")
-    assert len(a100) == 3 * 34
+    assert len(a100) == 3 * 35
     for row in at_launch + a100:
         need = next(m for prefix, m in tables.items() if row["kernel"].startswith(prefix)).SHARED_MEMORY_KIB[row["d"]]
         assert row["shared_bytes"] <= need * 1024, row
-    # registers: none spilled but the recorded residue (docs/design.md §1.3.1), none at all at D = 64
+    # registers: none spilled but the recorded residue (docs/design.md §1.3.1), none at all at D = 64 or 128
     beyond = {(row["dtype"], row["d"], name(row)): row["spill_bytes"] for row in at_launch
               if row["spill_bytes"] > RESIDUAL_SPILL_BYTES[row["d"]].get(name(row), 0)}
     assert beyond == {}

@@ -21,9 +21,9 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
 # over the chunks, of the non-causal LLN readout and backward's rows, or of the block softmax's backward (BF, BV at
-# most D's and Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK:
-# rows a step of the Nyström state and backward (C^T, or C and dE, (BLOCK, L) in registers), TF32: the products of
-# unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false);
+# most D's and Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK: rows a step
+# of the Nyström state and backward ((BLOCK, L) tiles of C, dE or their transposes in registers), TF32: the products
+# of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false);
 # ``wide_dot``).
 # Chosen so that no kernel spills registers at D = 64 where a setting can avoid it: exact fp32 products of 64x64
 # tiles are FMAs whose operands fill a thread's 255 registers, and a spilled tile goes to local memory and back at
@@ -47,6 +47,7 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "nystrom_state": dict(BLOCK=32, num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=True),
           "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
+          "nystrom_landmarks_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "lavo_local": dict(num_warps=4, num_stages=1),
@@ -60,18 +61,17 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_moment_scales": dict(num_warps=1, num_stages=1, enable_fp_fusion=False),
           "lln_moment_fold": dict(num_warps=1, num_stages=1, enable_fp_fusion=False)}
 
-# At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more or overflow a block's shared
-# memory: the Nyström backward in exact products, 16 rows a step on 16 warps (its tf32 operands would take 272 KiB,
-# over an H100's 227 KiB a block), more warps for the kernels that spill less with them (docs/benchmarks.md,
-# Fused kernels' registers, D = 128), fewer value columns a program for the non-causal ``_readout`` (32: two
-# blocks an SM on 8 warps), and the causal LLN kernels' tiles cut to (C, 32) or (C, 64) on 4 warps, two blocks an
-# SM: ``_outputs`` and ``_value_grads`` step over 32 features, ``_grads`` over 32 value columns (of its 32
-# features), the backward's walk takes 64 (BF, BV; ``_outputs``' BV splits it over programs of 64 value columns).
+# At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more: more warps for the kernels that
+# spill less with them (docs/benchmarks.md, Fused kernels' registers, D = 128; the Nyström backward's rows on 16),
+# fewer value columns a program for the non-causal ``_readout`` (32: two blocks an SM on 8 warps), and the causal
+# LLN kernels' tiles cut to (C, 32) or (C, 64) on 4 warps, two blocks an SM: ``_outputs`` and ``_value_grads`` step
+# over 32 features, ``_grads`` over 32 value columns (of its 32 features), the backward's walk takes 64 (BF, BV;
+# ``_outputs``' BV splits it over programs of 64 value columns).
 # At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM: on 4 warps (at most 255 registers a
 # thread, and no product replicated across warpgroups: at 8 warps a chained product's 64 rows are held and computed
 # by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a kernel holds at most 128 (the non-causal
-# ``_readout`` and ``_state_grad``, their products of half operands).
-LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
+# ``_readout`` and ``_state_grad``, their products of half operands; the Nyström backward's two, 16 rows a step).
+LAUNCH_128 = {"nystrom_rows_grad": dict(num_warps=16), "block_softmax": dict(num_warps=8),
               "lln_causal_ends": dict(num_warps=8),
               "lln_causal_outputs": dict(BF=32), "lln_causal_grad_ends": dict(BV=64),
               "lln_causal_grad_states": dict(BV=64), "lln_causal_grads": dict(BF=32, BV=32),

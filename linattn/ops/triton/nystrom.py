@@ -8,7 +8,8 @@ x lᵀ on tensor cores with fp32 accumulation. C <= 1, so its products with half
 ``_state``, grid (B*H, cdiv(N, SPLIT_ROWS)): each program sums its rows' share of C^T W (W: the values, or in the
 backward the output gradient), C^T formed as l xᵀ (``kernel_columns``), a step of BLOCK rows at a time; one ``sum``
 over the split axis adds them (deterministic, no atomics). ``_readout``,
-grid (B*H, cdiv(N, ROWS)): out = C_Q U per block of queries, U = M^-T T read in fp32 (``wide_dot``).
+grid (B*H, cdiv(N, ROWS)): out = C_Q U per block of queries, U = M^-T T read in fp32 (``wide_dot``); the backward's
+dV = C_K dT likewise over the keys.
 Padding, as the parallel implementation: a padded key's row of C is 0, a padded query is a zero query.
 """
 from typing import Optional, Tuple
@@ -35,7 +36,7 @@ from .common import (
 from .kernel_op import kernel_op
 
 ROWS = 64  # queries per program of ``_readout`` (``_state``'s rows a step: its launch's BLOCK)
-SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's ``_rows_grad`` (a multiple of their BLOCKs)
+SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's two (a multiple of their BLOCKs)
 
 
 @triton.jit
@@ -88,13 +89,15 @@ def gaussian(xl, x_sq, l_sq, used, s2, AXIS: tl.constexpr):
 
 
 @triton.jit
-def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
+def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw_t, raw_sq, used, s2, D, SX,
                  BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
                  KEYS: tl.constexpr):
     """Rows ``rows`` of Q or K (``kernel_rows``) of head ``pid``: x (R, BD) in HALF_TY, C = kappa(x_s, L) (R, BL)
-    fp32 (0 on rows past the end and on padded keys; x lᵀ on tensor cores), and whether each row is a real token."""
+    fp32 (0 on rows past the end and on padded keys; x lᵀ on tensor cores), and whether each row is a real token;
+    raw_t: lᵀ (BD, BL) in HALF_TY, transposed before a loop over rows (transposed in the loop, l would be held in
+    registers and stored to shared memory at every step)."""
     x, live, real = kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, end, D, SX, BD, HAS_MASK, KEYS)
-    xl = half_dot(x, tl.trans(raw), HALF_TY, EMULATE)
+    xl = half_dot(x, raw_t, HALF_TY, EMULATE)
     c = gaussian(xl, square_norms(x), raw_sq, used, s2, 1)
     return x, tl.where(live[:, None], c, 0.0), real
 
@@ -103,13 +106,13 @@ def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, 
 def kernel_columns(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, raw, raw_sq, used, s2, D, SX,
                    BD: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr, HAS_MASK: tl.constexpr,
                    KEYS: tl.constexpr):
-    """``kernel_block``'s C transposed, C^T (BL, R) fp32 (l xᵀ on tensor cores: the landmarks are its product's M,
-    so that a product C^T W it feeds keeps one warp's rows to itself, as C's R = 64 rows at 8 warps do not), and
+    """``kernel_block``'s x and C transposed, C^T (BL, R) fp32 (l xᵀ on tensor cores: the landmarks are its product's
+    M, so that a product C^T W it feeds keeps one warp's rows to itself, as C's R = 64 rows at 8 warps do not), and
     whether each row is a real token."""
     x, live, real = kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, end, D, SX, BD, HAS_MASK, KEYS)
     lx = half_dot(raw, tl.trans(x), HALF_TY, EMULATE)
     ct = gaussian(lx, square_norms(x), raw_sq, used, s2, 0)
-    return tl.where(live[None, :], ct, 0.0), real
+    return x, tl.where(live[None, :], ct, 0.0), real
 
 
 @triton.jit
@@ -127,8 +130,8 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        ct, real = kernel_columns(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SX,
-                                  BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
+        _, ct, real = kernel_columns(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D,
+                                     SX, BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
         live = real if KEYS else rows < N  # a padded key's values reach nothing, whatever they hold
         w = tl.load(w_ptr + tile_at(pid, rows, e, N, SW, BH, FAIRSEQ), mask=live[:, None] & (e[None, :] < DV),
                     other=0.0)
@@ -138,24 +141,39 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
 
 
 @triton.jit
-def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D, DV, SQ, L,
+def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D, DV, SQ, SO, L,
              BLOCK: tl.constexpr,
              BD: tl.constexpr, BDV: tl.constexpr, BL: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
-             HAS_MASK: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
-    """One block of queries of one head: out = C_Q U (U = M^-T T, (L, DV) fp32), stored in q's dtype (q at head
-    stride SQ)."""
+             HAS_MASK: tl.constexpr, KEYS: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr):
+    """One block of rows of Q, or of K (KEYS: a padded key's row of C is 0), of one head: out = C U (U (L, DV) fp32:
+    M^-T T, or the backward's dT for dV), stored in q's dtype (q at head stride SQ, out at SO)."""
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
     raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
-    _, c, _ = kernel_block(q_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, raw, raw_sq, used, s * s, D, SQ, BD,
-                          HALF_TY, EMULATE, HAS_MASK, False)
+    _, c, _ = kernel_block(q_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, tl.trans(raw), raw_sq, used, s * s, D, SQ,
+                          BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
     u = tl.load(u_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),
                 other=0.0)
     out = wide_dot(c, u, WIDE)
-    tl.store(out_ptr + tile_at(pid, rows, e, N, DV, BH, FAIRSEQ), out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tile_at(pid, rows, e, N, SO, BH, FAIRSEQ), out.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < N) & (e[None, :] < DV))
+
+
+def kernel_readout(x: Tensor, u: Tensor, land: Tensor, used: Tensor, mask: Optional[Tensor], out: Tensor,
+                   layout: Tuple[bool, int, int], keys: bool) -> None:
+    """out (B,H,N,Dv) = C U for C = kappa(X_s, L) over all rows of x (B,H,N,D) (K if ``keys``: a padded key's row of C
+    is 0; else Q) and u (B,H,L,Dv) fp32, stored into out in q's dtype; layout: (fairseq, x's head stride, out's)
+    (``common.tile_at``); land (B,H,L,D), used (B,L) fp32 contiguous, mask (B,N) or None (True = padded)."""
+    b, h, n, d = x.shape
+    dv, num = u.shape[-1], land.shape[2]
+    fairseq, sx, so = layout
+    _readout[(b * h, cdiv(n, ROWS))](x, land, used, mask_bytes(mask, x), u, out, b * h, d ** -0.25, h, n, d, dv, sx,
+                                     so, num, BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
+                                     HALF_TY=HALF[x.dtype], EMULATE=emulate_half_dot(x.dtype),
+                                     HAS_MASK=mask is not None, KEYS=keys, FAIRSEQ=fairseq,
+                                     **launch("nystrom_readout", d))
 
 
 def kernel_state(x: Tensor, w: Tensor, land: Tensor, used: Tensor, mask: Optional[Tensor], keys: bool) -> Tensor:
@@ -184,17 +202,11 @@ def nystrom_apply(q: Tensor, k: Tensor, v: Tensor, land: Tensor, m_inv: Tensor, 
     fp32; used (B,L) fp32 (1 or 0 per slot); mask (B,N) or None -> out (B,H,N,Dv) in q's dtype and T = C_K^T V,
     U = M^-T T (B,H,L,Dv) fp32."""
     out = _empty(q, v)
-    b, h, n, d = q.shape
-    dv, num = v.shape[-1], land.shape[2]
     fairseq, sq, _, (q, k, v) = inputs_in_layout(q, k, v)
     land, used = land.contiguous(), used.contiguous()
     t = kernel_state(k, v, land, used, mask, keys=True)
     u = (m_inv.mT @ t).contiguous()
-    _readout[(b * h, cdiv(n, ROWS))](q, land, used, mask_bytes(mask, q), u, out, b * h, d ** -0.25, h, n, d,
-                                     dv, sq, num, FAIRSEQ=fairseq,
-                                     BLOCK=ROWS, BD=block(d), BDV=block(dv), BL=block(num),
-                                     HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype),
-                                     HAS_MASK=mask is not None, **launch("nystrom_readout", d))
+    kernel_readout(q, u, land, used, mask, out, (fairseq, sq, v.shape[-1]), keys=False)
     return out, t, u
 
 

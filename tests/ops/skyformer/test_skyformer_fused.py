@@ -98,8 +98,8 @@ def test_padded_rows_reach_nothing_whatever_they_hold(gen, side):
 
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=EXTENDED)])
 def test_fused_with_wide_heads_matches_the_reference(gen, dtype):
-    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's exact products, 16 rows a step:
-    N = 37 in three steps, the last one partial)."""
+    """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's ``_rows_grad`` and
+    ``_landmarks_grad`` in tf32, 16 rows a step: N = 37 in three steps, the last one partial; dV by ``_readout``)."""
     q, k, v = inputs(gen, DTYPES[dtype], 37, d=72, dv=80)
     check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 37, "left", gen), num_landmarks=24)
 
@@ -127,12 +127,13 @@ def test_unused_landmark_slots_on_padded_rows_reach_nothing(gen, side):
                                               pytest.param("left", 32, marks=EXTENDED)])
 def test_fused_over_several_splits(gen, monkeypatch, side, split_rows):
     """The reductions (C_K^T V, C_Q^T grad, dL/dL) split over the rows, each split's share summed after: at N = 50,
-    4 splits of one step or 2 of two steps (the state's BLOCK = 16), the last one partial; the second sequence
-    padded on the left over 37 rows (whole splits of padding) or on the right over 13."""
+    4 splits of one step or 2 of two steps (the state's and dL/dL's BLOCK = 16), the last one partial; the second
+    sequence padded on the left over 37 rows (whole splits of padding) or on the right over 13."""
     from linattn.ops.triton import nystrom
     monkeypatch.setattr(nystrom, "ROWS", 16)  # read at call time, by the forward and the backward
     monkeypatch.setattr(nystrom, "SPLIT_ROWS", split_rows)
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"nystrom_state": {"BLOCK": 16},
+                                                            "nystrom_landmarks_grad": {"BLOCK": 16},
                                                             "nystrom_rows_grad": {"BLOCK": 8}}))
     q, k, v = inputs(gen, torch.float16, 50)
     mask = torch.zeros(2, 50, dtype=torch.bool)
@@ -155,7 +156,8 @@ def test_fused_with_exact_fp32_products_matches_the_reference(gen, monkeypatch, 
 
     tf32 = values()
     monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"nystrom_readout": {"TF32": False},
-                                                            "nystrom_rows_grad": {"TF32": False}}))
+                                                            "nystrom_rows_grad": {"TF32": False},
+                                                            "nystrom_landmarks_grad": {"TF32": False}}))
     check_against_reference(gen, q, k, v, dtype, mask=mask)
     assert all(not torch.equal(a, b) for a, b in zip(values(), tf32))
 
