@@ -48,12 +48,12 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
-          "lavo_local": dict(num_warps=4, num_stages=1),
-          "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
+          "lavo_local": dict(BLOCK=64, BK=64, num_warps=4, num_stages=1),
+          "lavo_memory": dict(BLOCK=64, num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(BLOCK=32, num_warps=4, num_stages=1, TF32=True),
           "lavo_bases_grad": dict(BLOCK=32, COLS=64, num_warps=4, num_stages=1, TF32=True),
-          "lavo_local_query_grad": dict(num_warps=8, num_stages=1, TF32=True),
-          "lavo_local_grad": dict(COLS=64, num_warps=8, num_stages=1, TF32=True),
+          "lavo_local_query_grad": dict(BLOCK=32, BK=32, num_warps=4, num_stages=1, TF32=True),
+          "lavo_local_grad": dict(BLOCK=16, BK=32, COLS=64, num_warps=4, num_stages=1, TF32=True),
           "lln_token_moments": dict(num_warps=8, num_stages=1),
           # one program over a layer's G <= H groups; float64 products and sums rounded apart (no FMA), as PyTorch's
           "lln_moment_scales": dict(num_warps=1, num_stages=1, enable_fp_fusion=False),
@@ -66,13 +66,14 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # on 4 warps (at most 255 registers a thread, and no product replicated across warpgroups: at 8 warps a chained
 # product's 64 rows are held and computed by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a
 # kernel holds at most 128 (the non-causal ``_readout`` and ``_state_grad``, their products of half operands).
+# LAVO's stay on 4 warps at two blocks an SM by fewer columns of D a product's step (BK) or fewer rows a step (BLOCK).
 LAUNCH_128 = {"nystrom_rows_grad": dict(TF32=False, BLOCK=16, num_warps=16), "block_softmax": dict(num_warps=8),
               "block_softmax_backward": dict(num_warps=8), "lln_causal_ends": dict(num_warps=8),
               "lln_causal_outputs": dict(num_warps=8), "lln_causal_grad_ends": dict(num_warps=8),
               "lln_causal_grad_states": dict(num_warps=8), "lln_causal_grads": dict(BF=32, num_warps=8),
               "lln_causal_value_grads": dict(num_warps=8), "lln_noncausal_readout": dict(num_warps=16),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
-              "lavo_local": dict(num_warps=8), "lavo_memory": dict(num_warps=8),
+              "lavo_local": dict(BK=32), "lavo_memory": dict(BLOCK=16),
               "lavo_bases_grad": dict(BLOCK=16, COLS=32),
               "lavo_local_grad": dict(COLS=32)}
 
