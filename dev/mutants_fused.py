@@ -251,7 +251,7 @@ FUSED_MUTANTS = [
     M("triton-lavo-bwd-next-window", OPS + "triton/lavo_backward.py", "if step == 0 else (m + 1) * W",
       "if step == 0 else (m - 1) * W", "window m + 1's rows are recomputed against the wrong keys", LAVO_FUSED_T),
     M("triton-lavo-bwd-dv-memory", OPS + "triton/lavo_backward.py",
-      "            dv += tl.sum(pt_own * tok[None, :], 1)[:, None] * dwin[None, :]\n", "",
+      "                dv += tl.sum(pt_own * tok[None, :], 1)[:, None] * dwin[None, :]\n", "",
       "the values' gradient through the memory (tok dL/d(window sum)) is dropped", LAVO_FUSED_T),
     M("triton-lavo-bwd-bias-slot", OPS + "triton/lavo_backward.py", "tl.where(hi, key - m * W + NK - BW,",
       "tl.where(hi, key - m * W,", "the bias' gradient gathers the own window's keys from the previous window's slots",

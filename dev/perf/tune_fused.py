@@ -50,12 +50,12 @@ CANDIDATES = {  # per kernel: the settings tried besides LAUNCH's own
     # the d×d iteration: rows a pass (BLOCK) and warps, exact fp32 FMAs, tf32 alone (the check may refuse it)
     "nystrom_inverse": [dict(BLOCK=64, num_warps=8), dict(BLOCK=16), EXACT, dict(TF32=True)],
     "nystrom_inverse_grad": [dict(BLOCK=32), dict(BLOCK=32, num_warps=8), EXACT, dict(TF32=True)],
-    "lavo_local": [dict(num_warps=8), dict(num_stages=2)],
-    "lavo_memory": [dict(num_warps=8), EXACT, TF32X3],
+    "lavo_local": [dict(num_warps=8), dict(num_stages=2), dict(BLOCK=32)],
+    "lavo_memory": [dict(num_warps=8), dict(BLOCK=32), EXACT, TF32X3],
     "lavo_memory_grad": [dict(num_warps=8), EXACT, TF32X3],
     "lavo_bases_grad": [dict(num_warps=8), EXACT, TF32X3],
-    "lavo_local_query_grad": [dict(num_warps=4), EXACT, TF32X3],
-    "lavo_local_grad": [dict(num_warps=4), EXACT, TF32X3],
+    "lavo_local_query_grad": [dict(BLOCK=64), dict(BK=64), dict(num_warps=8), EXACT, TF32X3],
+    "lavo_local_grad": [dict(BLOCK=32), dict(COLS=32), dict(num_warps=8), EXACT, TF32X3],
 }
 CHECK_N = 1000  # the length of ``check``: odd chunks (C = 64) and windows, several non-causal splits of 64 rows
 SPLITS = (512, 1024, 2048)  # lln_noncausal.SPLIT_ROWS: rows a program of the non-causal reductions sums

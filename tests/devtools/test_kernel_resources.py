@@ -50,14 +50,19 @@ def test_exact_fp32_products_spill_and_launchs_settings_do_not(tmp_path):
 def test_chained_products_of_64_rows_are_replicated_at_8_warps_and_lavos_key_rows_are_not(tmp_path):
     """The causal ``_grads``' in-chunk (C, C) products feed further products: at 8 warps Triton lays them with every
     warp along their 64 rows, so both warpgroups hold the same tiles (at 4 warps none is replicated); LAVO's causal
-    ``_local_grad`` holds its softmax tiles a key a row, (2w, w) = 128 rows, which 8 warps hold once."""
+    ``_local_grad`` holds its softmax tiles a key a row, (2w, BLOCK) = 128 rows, which 8 warps hold once, a whole
+    window's queries a step included (its non-causal (w, w) tiles are replicated then); at LAUNCH's 4 warps neither
+    is."""
     args = ("--configs", "fp16:64", "--kernels")
     [at_8] = resources(sys.executable, tmp_path, *args, "lln_causal_grads", "--set",
                        json.dumps({"lln_causal_grads": {"num_warps": 8}}))
     [at_4] = resources(sys.executable, tmp_path, *args, "lln_causal_grads")
     assert at_8["num_warps"] == 8 and at_8["replicated_dots"] >= 2 and at_4["replicated_dots"] == 0
-    lavo = {row["causal"]: row for row in resources(sys.executable, tmp_path, *args, "lavo_local_grad")}
+    whole = json.dumps({"lavo_local_grad": {"num_warps": 8, "BLOCK": 64, "BK": 64}})
+    lavo = {row["causal"]: row for row in resources(sys.executable, tmp_path, *args, "lavo_local_grad", "--set", whole)}
     assert lavo[True]["num_warps"] == 8 and lavo[True]["replicated_dots"] == 0 < lavo[False]["replicated_dots"]
+    at_launch = resources(sys.executable, tmp_path, *args, "lavo_local_grad")
+    assert [(row["num_warps"], row["replicated_dots"]) for row in at_launch] == [(4, 0), (4, 0)]
 
 
 @pytest.mark.extended  # twelve sm_90 builds, a developer's option

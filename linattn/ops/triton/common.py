@@ -50,12 +50,12 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "nystrom_landmarks_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
-          "lavo_local": dict(num_warps=4, num_stages=1),
-          "lavo_memory": dict(num_warps=4, num_stages=1, TF32=True),
+          "lavo_local": dict(BLOCK=64, BK=64, num_warps=4, num_stages=1),
+          "lavo_memory": dict(BLOCK=64, num_warps=4, num_stages=1, TF32=True),
           "lavo_memory_grad": dict(BLOCK=32, num_warps=4, num_stages=1, TF32=True),
           "lavo_bases_grad": dict(BLOCK=32, COLS=64, num_warps=4, num_stages=1, TF32=True),
-          "lavo_local_query_grad": dict(num_warps=8, num_stages=1, TF32=True),
-          "lavo_local_grad": dict(COLS=64, num_warps=8, num_stages=1, TF32=True),
+          "lavo_local_query_grad": dict(BLOCK=32, BK=32, num_warps=4, num_stages=1, TF32=True),
+          "lavo_local_grad": dict(BLOCK=16, BK=32, COLS=64, num_warps=4, num_stages=1, TF32=True),
           "lln_token_moments": dict(num_warps=8, num_stages=1),
           # one program over a layer's G <= H groups; float64 products and sums rounded apart (no FMA), as PyTorch's
           "lln_moment_scales": dict(num_warps=1, num_stages=1, enable_fp_fusion=False),
@@ -66,7 +66,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # fewer value columns a program for the non-causal ``_readout`` (32: two blocks an SM on 8 warps), and the causal
 # LLN kernels' tiles cut to (C, 32) or (C, 64) on 4 warps, two blocks an SM: ``_outputs`` and ``_value_grads`` step
 # over 32 features, ``_grads`` over 32 value columns (of its 32 features), the backward's walk takes 64 (BF, BV;
-# ``_outputs``' BV splits it over programs of 64 value columns).
+# ``_outputs``' BV splits it over programs of 64 value columns). LAVO's stay on 4 warps at two blocks an SM by
+# fewer columns of D a product's step (BK) or fewer rows a step (BLOCK).
 # At D = 64 LAUNCH keeps a 64-row tile's kernels at two or more blocks an SM: on 4 warps (at most 255 registers a
 # thread, and no product replicated across warpgroups: at 8 warps a chained product's 64 rows are held and computed
 # by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a kernel holds at most 128 (the non-causal
@@ -77,7 +78,7 @@ LAUNCH_128 = {"nystrom_rows_grad": dict(num_warps=16), "block_softmax": dict(num
               "lln_causal_grad_states": dict(BV=64), "lln_causal_grads": dict(BF=32, BV=32),
               "lln_causal_value_grads": dict(BF=32), "lln_noncausal_readout": dict(BV=32, num_warps=8),
               "lln_noncausal_state": dict(num_warps=8), "lln_noncausal_rows_grad": dict(num_warps=8),
-              "lavo_local": dict(num_warps=8), "lavo_memory": dict(num_warps=8),
+              "lavo_local": dict(BK=32), "lavo_memory": dict(BLOCK=16),
               "lavo_bases_grad": dict(BLOCK=16, COLS=32),
               "lavo_local_grad": dict(COLS=32)}
 

@@ -7,10 +7,12 @@ each split's share of dL/dB, COLS of its columns, summed after (no atomics), the
 kernels apart, neither spills: the memory's tiles are held a base a row, (r, rows), and dL/dB's (r, D) accumulator
 lives only in the second). The memory's small torch ops (``memory.memory_mean_grad``) turn dL/dH into dL/d(window
 sums of F_local) and add the bases' share through the sums. ``_local_query_grad``, grid (nw, B*H): window m's
-queries (dq, the bias' share). ``_local_grad``, grid (nw, B*H, D / COLS): COLS columns of window m's keys' dk and dv:
-their contributions come from query window m and, causal, from window m + 1, whose rows the program recomputes whole
-(the softmax needs every key a query sees); window m's keys sit in the last BW slots in both. Each kernel recomputes
-the window softmax it needs (in one kernel they spilled). dL/dF_local = coef grad + tok dL/d(window sum) is never
+queries, BLOCK a step (dq, the bias' share). ``_local_grad``, grid (nw, B*H, D / COLS): COLS columns of window m's
+keys' dk and dv: their contributions come from query window m and, causal, from window m + 1, whose rows the program
+recomputes whole (the softmax needs every key a query sees), BLOCK queries a step; window m's keys sit in the last BW
+slots in both. Each kernel recomputes the window softmax it needs (in one kernel they spilled), its products over D
+BK columns a step (``lavo.rows_dot``: (keys, BK) operands, not (keys, D), so that 4 warps hold two blocks an SM
+without a spill). dL/dF_local = coef grad + tok dL/d(window sum) is never
 stored: dp = coef grad v^T (tensor cores, both half) + tok (v·dL/d(sum)).
 """
 import math
@@ -29,7 +31,6 @@ from .common import (
     emulate_half_dot,
     half_dot,
     inputs_in_layout,
-    launch,
     new_grads,
     new_rows,
     op_grads,
@@ -37,7 +38,7 @@ from .common import (
     wide_dot,
 )
 from .kernel_op import kernel_op
-from .lavo import load_bases, memory_probs, memory_rows, window_of, window_probs
+from .lavo import load_bases, memory_probs, memory_rows, rows_dot, sized, window_of, window_probs
 
 SPLIT_WINDOWS = 16  # windows per program of ``_bases_grad``
 
@@ -140,56 +141,68 @@ def _query_grads(grad_ptr, dwin_ptr, BH, pid, N, NW, qw, q_rows, q_in, d, D, CAU
 
 @triton.jit
 def _window_softmax_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, BH, pid,
-                         H, N, NT, NW, W, qw, lo, hi, D, SQK, scale, BW: tl.constexpr, BD: tl.constexpr,
-                         HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr,
-                         ORDERED: tl.constexpr):
-    """Query window ``qw`` of head ``pid`` against the key slots from ``lo`` and ``hi`` (``window_probs``, a key a
-    row): its positions t and rows in memory (BW,), which are in the sequence, q (BW, BD) and k (NK, BD) half, p^T
-    and the window softmax's backward ds^T (NK, BW) fp32, the output gradient g (BW, BD) half, its real tokens tok
-    (BW,), dL/d(window sum) (BD,) and F_local's weight coef."""
-    d = tl.arange(0, BD)
-    t, q_in, q, pos, real, k, pt, q_rows, k_rows = window_probs(
-        q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ, pid, H, N, NT, W, qw, lo, hi, D, SQK, scale, BW,
-        BD, HALF_TY, EMULATE, CAUSAL, ORDERED, True)
-    v = tl.load(v_ptr + tile_at(pid, k_rows, d, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (d[None, :] < D), other=0.0)
-    g, dwin = _query_grads(grad_ptr, dwin_ptr, BH, pid, N, NW, qw, q_rows, q_in, d, D, CAUSAL, FAIRSEQ)
+                         H, N, NT, NW, W, qw, row, lo, hi, D, SQK, scale, BW: tl.constexpr, BD: tl.constexpr,
+                         BK: tl.constexpr, ROWS: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+                         CAUSAL: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """ROWS queries of window ``qw`` of head ``pid`` from its row ``row``, against the key slots from ``lo`` and
+    ``hi`` (``window_probs``, a key a row): their positions t and rows in memory (ROWS,), which are in the sequence,
+    the keys' rows in memory and real flags (NK,), p^T and the window softmax's backward ds^T (NK, ROWS) fp32, their
+    real tokens tok (ROWS,) and F_local's weight coef; every product over D BK columns a step."""
+    t, q_in, pos, real, pt, q_rows, k_rows = window_probs(
+        q_ptr, k_ptr, bias_ptr, valid_ptr, order_ptr, BH, FAIRSEQ, pid, H, N, NT, W, qw, row, lo, hi, D, SQK, scale,
+        BW, BD, BK, HALF_TY, EMULATE, CAUSAL, ORDERED, ROWS, True)
     coef = tl.load(coef_ptr + (pid // H) * NW + qw) if CAUSAL else tl.load(coef_ptr + pid // H)
     tok = tl.where(q_in & (tl.load(valid_ptr + (pid // H) * NT + t, mask=q_in, other=0) != 0), 1.0, 0.0)
+    vd = tl.zeros((pt.shape[0],), tl.float32)  # v·dL/d(window sum) of each key
+    for first in range(0, BD, BK):
+        c = first + tl.arange(0, BK)
+        v = tl.load(v_ptr + tile_at(pid, k_rows, c, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (c[None, :] < D),
+                    other=0.0)
+        _, dwin = _query_grads(grad_ptr, dwin_ptr, BH, pid, N, NW, qw, q_rows, q_in, c, D, CAUSAL, FAIRSEQ)
+        vd += tl.sum(v.to(tl.float32) * dwin[None, :], 1)
     # dL/dF_local = coef grad + tok dwin, so dp = coef grad v^T + tok (v·dwin) (here transposed)
-    vd = tl.sum(v.to(tl.float32) * dwin[None, :], 1)
-    dpt = coef * half_dot(v, tl.trans(g), HALF_TY, EMULATE) + vd[:, None] * tok[None, :]
+    vg = rows_dot(v_ptr, k_rows, real, SQK, grad_ptr, q_rows, q_in, D, pid, N, D, BH, FAIRSEQ, BD, BK, HALF_TY,
+                  EMULATE)
+    dpt = coef * vg + vd[:, None] * tok[None, :]
     dst = pt * (dpt - tl.sum(dpt * pt, 0)[None, :])  # the window softmax's backward
-    return t, q_rows, q_in, q, k, pt, dst, g, tok, dwin, coef
+    return t, q_rows, q_in, k_rows, real, pt, dst, tok, coef
 
 
 @triton.jit
 def _local_query_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, dqg_ptr,
                       dq_ptr, dbias_ptr, BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr, BD: tl.constexpr,
-                      HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
-                      FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
-    """Window m of head ``pid``: dq of its queries (with F_global's share, dqg) in the inputs' dtype and their share
-    of the relative bias' gradient (dbias (B*H, nw, 2w-1)). Every tensor of rows in fairseq's layout (FAIRSEQ; q, k,
-    v and dq at X = SQK: ``common.inputs_in_layout``) or contiguous; q, k, v, grad and dq at the tokens' rows
-    (through the order if ORDERED: ``lavo.memory_rows``), dqg at the positions'."""
+                      BLOCK: tl.constexpr, BK: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+                      CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+    """Window m of head ``pid``, BLOCK queries a step, BK columns of D a product's step: dq of its queries (with
+    F_global's share, dqg) in the inputs' dtype and their share of the relative bias' gradient (dbias (B*H, nw,
+    2w-1)). Every tensor of rows in fairseq's layout (FAIRSEQ; q, k, v and dq at X = SQK:
+    ``common.inputs_in_layout``) or contiguous; q, k, v, grad and dq at the tokens' rows (through the order if
+    ORDERED: ``lavo.memory_rows``), dqg at the positions'."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NK: tl.constexpr = 2 * BW if CAUSAL else BW  # the key slots (``lavo.key_rows``)
-    d = tl.arange(0, BD)
-    lo = (m - 1) * W  # window m's previous window
-    t, q_rows, q_in, _, k, _, dst, _, _, _, _ = _window_softmax_grad(
-        q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, BH, pid, H, N, NT, NW, W,
-        m, lo, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE, CAUSAL, FAIRSEQ, ORDERED)
-    rows = q_in[:, None] & (d[None, :] < D)
-    dq = tl.load(dqg_ptr + tile_at(pid, t, d, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
-    dq += wide_dot(tl.trans(dst), k.to(tl.float32), WIDE) * scale
-    tl.store(dq_ptr + tile_at(pid, q_rows, d, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty), mask=rows)
-    # the bias P[o] gets ds[key at t_i + o - w + 1, i]: the slots of that key, gathered per query
     o = tl.arange(0, 2 * BW)
-    key = t[None, :] + o[:, None] - W + 1
-    hi = (key >= m * W) & (key < m * W + W)
-    low = CAUSAL & (key >= lo) & (key < lo + W)
-    slot = tl.where(hi, key - m * W + NK - BW, tl.where(low, key - lo, 0))
-    per = tl.sum(tl.where(hi | low, tl.gather(dst, slot, 0), 0.0), 1)
+    lo = (m - 1) * W  # window m's previous window
+    per = tl.zeros((2 * BW,), tl.float32)
+    for row in range(0, BW, BLOCK):
+        t, q_rows, q_in, k_rows, real, _, dst, _, _ = _window_softmax_grad(
+            q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, BH, pid, H, N, NT, NW,
+            W, m, row, lo, m * W, D, SQK, scale, BW, BD, BK, BLOCK, HALF_TY, EMULATE, CAUSAL, FAIRSEQ, ORDERED)
+        for first in range(0, BD, BK):
+            c = first + tl.arange(0, BK)
+            rows = q_in[:, None] & (c[None, :] < D)
+            k = tl.load(k_ptr + tile_at(pid, k_rows, c, N, SQK, BH, FAIRSEQ), mask=real[:, None] & (c[None, :] < D),
+                        other=0.0)
+            dq = tl.load(dqg_ptr + tile_at(pid, t, c, N, D, BH, FAIRSEQ), mask=rows, other=0.0)
+            dq += wide_dot(tl.trans(dst), k.to(tl.float32), WIDE) * scale
+            tl.store(dq_ptr + tile_at(pid, q_rows, c, N, SQK, BH, FAIRSEQ), dq.to(dq_ptr.dtype.element_ty),
+                     mask=rows)
+        # the bias P[o] gets ds[key at t_i + o - w + 1, i]: the slots of that key, gathered per query
+        key = t[None, :] + o[:, None] - W + 1
+        hi = (key >= m * W) & (key < m * W + W)
+        low = CAUSAL & (key >= lo) & (key < lo + W)
+        slot = tl.where(hi, key - m * W + NK - BW, tl.where(low, key - lo, 0))
+        per += tl.sum(tl.where(hi | low, tl.gather(dst, slot, 0), 0.0), 1)
     tl.store(dbias_ptr + (pid * NW + m) * (2 * W - 1) + o, per, mask=o < 2 * W - 1)
 
 
@@ -204,13 +217,13 @@ def _own_slots(x, BW: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, dk_ptr, dv_ptr,
-                BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr, BD: tl.constexpr, COLS: tl.constexpr,
-                HALF_TY: tl.constexpr, EMULATE: tl.constexpr, CAUSAL: tl.constexpr, WIDE: tl.constexpr,
-                FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
+                BH, H, N, NT, NW, W, D, SQK, scale, BW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+                BK: tl.constexpr, COLS: tl.constexpr, HALF_TY: tl.constexpr, EMULATE: tl.constexpr,
+                CAUSAL: tl.constexpr, WIDE: tl.constexpr, FAIRSEQ: tl.constexpr, ORDERED: tl.constexpr):
     """Window m of head ``pid``: COLS columns of dk and dv of its keys, stored in the inputs' dtype, from query window
-    m and, causal, window m + 1, whose rows the program recomputes whole (from all D columns); window m's keys sit in
-    the last BW slots in both. The softmax tiles are held a key a row, (NK, BW). Layouts and rows as
-    ``_local_query_grad``'s."""
+    m and, causal, window m + 1, whose rows the program recomputes whole (from all D columns, BK a product's step),
+    BLOCK queries a step; window m's keys sit in the last BW slots in both. The softmax tiles are held a key a row,
+    (NK, BLOCK). Layouts and rows as ``_local_query_grad``'s."""
     m = tl.program_id(0)
     pid = tl.program_id(1)
     c = tl.program_id(2) * COLS + tl.arange(0, COLS)
@@ -220,34 +233,25 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, c
         qw = m + step
         if qw < NW:
             lo = (m - 1) * W if step == 0 else (m + 1) * W  # window m's previous window, or window m + 1 itself
-            _, q_rows, q_in, q, _, pt, dst, g, tok, dwin, coef = _window_softmax_grad(
-                q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, BH, pid, H, N, NT,
-                NW, W, qw, lo, m * W, D, SQK, scale, BW, BD, HALF_TY, EMULATE, CAUSAL, FAIRSEQ, ORDERED)
-            if COLS < BD:  # q, the output gradient and dL/d(window sum) at the program's columns
-                q = tl.load(q_ptr + tile_at(pid, q_rows, c, N, SQK, BH, FAIRSEQ),
-                            mask=q_in[:, None] & (c[None, :] < D), other=0.0)
+            for row in range(0, BW, BLOCK):
+                _, q_rows, q_in, _, _, pt, dst, tok, coef = _window_softmax_grad(
+                    q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, coef_ptr, dwin_ptr, BH, pid, H,
+                    N, NT, NW, W, qw, row, lo, m * W, D, SQK, scale, BW, BD, BK, BLOCK, HALF_TY, EMULATE, CAUSAL,
+                    FAIRSEQ, ORDERED)
+                # q, the output gradient and dL/d(window sum) at the program's columns
+                q = tl.load(q_ptr + tile_at(pid, q_rows, c, N, SQK, BH, FAIRSEQ), mask=q_in[:, None] & (c[None, :] < D),
+                            other=0.0)
                 g, dwin = _query_grads(grad_ptr, dwin_ptr, BH, pid, N, NW, qw, q_rows, q_in, c, D, CAUSAL, FAIRSEQ)
-            pt_own = _own_slots(pt, BW, CAUSAL)
-            dv += coef * half_dot(pt_own, g, HALF_TY, EMULATE)
-            dv += tl.sum(pt_own * tok[None, :], 1)[:, None] * dwin[None, :]
-            dk += wide_dot(_own_slots(dst, BW, CAUSAL), q.to(tl.float32), WIDE) * scale
+                pt_own = _own_slots(pt, BW, CAUSAL)
+                dv += coef * half_dot(pt_own, g, HALF_TY, EMULATE)
+                dv += tl.sum(pt_own * tok[None, :], 1)[:, None] * dwin[None, :]
+                dk += wide_dot(_own_slots(dst, BW, CAUSAL), q.to(tl.float32), WIDE) * scale
     j = tl.arange(0, BW)
     pos = m * W + j
     keys = ((j < W) & (pos < N))[:, None] & (c[None, :] < D)
     at = tile_at(pid, memory_rows(order_ptr, pid, H, N, pos, ORDERED), c, N, SQK, BH, FAIRSEQ)
     tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=keys)
     tl.store(dv_ptr + at, dv.to(dv_ptr.dtype.element_ty), mask=keys)
-
-
-def _sized(kernel: str, d: int, bw: int) -> dict:
-    """``launch(kernel, d)`` with its BLOCK (rows a step), if any, at most a window's block ``bw`` and its COLS
-    (columns of D a program), if any, at most D's block."""
-    settings = launch(kernel, d)
-    if "BLOCK" in settings:
-        settings["BLOCK"] = min(settings["BLOCK"], bw)
-    if "COLS" in settings:
-        settings["COLS"] = min(settings["COLS"], block(d))
-    return settings
 
 
 @kernel_op("lavo_backward")
@@ -272,8 +276,8 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     part = q.new_empty((b, h, splits, r, d), dtype=torch.float32)  # each split's dL/dB: no atomics
     memory = (q, grad, bases, mean.contiguous(), order)
     _memory_grad[(nw, b * h)](*memory, dqg, dmean, b * h, h, n, nw, w, r, d, sqk, 1 / math.sqrt(d), BR=block(r),
-                              **sizes, **_sized("lavo_memory_grad", d, sizes["BW"]))
-    bases_cols = _sized("lavo_bases_grad", d, sizes["BW"])
+                              **sizes, **sized("lavo_memory_grad", d, sizes["BW"]))
+    bases_cols = sized("lavo_bases_grad", d, sizes["BW"])
     _bases_grad[(b * h, splits, cdiv(d, bases_cols["COLS"]))](*memory, part, b * h, h, n, nw, w, r, d, sqk,
                                                               SPLIT_WINDOWS, 1 / math.sqrt(d), BR=block(r), **sizes,
                                                               **bases_cols)
@@ -282,8 +286,9 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
     dbias = q.new_empty((b, h, nw, 2 * w - 1), dtype=torch.float32)
     local = (q, k, v, grad, pos_bias, valid, order, coef.contiguous(), dwin.contiguous())
     shape = (b * h, h, n, valid.shape[1], nw, w, d, sqk, 1 / math.sqrt(d))
-    _local_query_grad[(nw, b * h)](*local, dqg, dq, dbias, *shape, **sizes, **launch("lavo_local_query_grad", d))
-    key_cols = _sized("lavo_local_grad", d, sizes["BW"])
+    _local_query_grad[(nw, b * h)](*local, dqg, dq, dbias, *shape, **sizes,
+                                   **sized("lavo_local_query_grad", d, sizes["BW"]))
+    key_cols = sized("lavo_local_grad", d, sizes["BW"])
     _local_grad[(nw, b * h, cdiv(d, key_cols["COLS"]))](*local, dk, dv, *shape, **sizes, **key_cols)
     return (*op_grads(dq, dk, dv, packed), dbases.to(bases.dtype), dbias.sum((0, 2)))
 

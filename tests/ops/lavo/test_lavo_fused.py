@@ -63,6 +63,16 @@ def test_fused_matches_the_float64_reference_with_gradients(gen, dtype, causal, 
     check_against_reference(gen, leaves, dtype, causal=causal, mask=mask)
 
 
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_at_a_head_size_of_blocks_of_128_matches_the_reference(gen, dtype, causal):
+    """D = 72 (blocks of 128: ``LAUNCH_128``'s settings) and w = 20 (a window block of 32): the products' steps over
+    D's columns (BK), the steps over a window's rows (BLOCK) and the key gradients' column programs (COLS), the last
+    of each partly outside D; bf16 in the extended tier (about 20 s each under the interpreter)."""
+    leaves = inputs(gen, DTYPES[dtype], 45, d=72, r=8, w=20)
+    check_against_reference(gen, leaves, dtype, causal=causal, mask=padding_mask(2, 45, "left", gen))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layouts", LAYOUT_CASES)
 def test_fused_reads_fairseqs_layout_in_place_and_answers_in_it(gen, causal, layouts):
