@@ -19,7 +19,13 @@ which made the op 3.1x slower than at 8 in the tuning run, and the binaries on r
         python -m dev.perf.launches --root /tmp/old --series lln lln:causal --n 2048 4096 16384 32768 --json then.json
     python -m dev.perf.launches --series lln lln:causal lln_diag lln_diag:causal skyformer lavo:causal
         --n 2048 4096 16384 32768 --json now.json
-    python -m dev.perf.predict --launches now.json --then then.json --json docs/benchmarks/predicted_h100.json
+    python -m dev.perf.launches --series lln lln:causal lln_diag lln_diag:causal skyformer lavo:causal
+        --n 2048 4096 16384 32768 --d 128 --json now128.json
+    python -m dev.perf.predict --launches now.json --then then.json --grids-128 now128.json
+        --json docs/benchmarks/predicted_h100.json
+
+``--grids-128``: the same steps at head size 128 (H = 6), whose grids are kept (``grids``: each launch's LAUNCH key,
+causality and programs) for the occupancy proxies at D = 128 (``tests/devtools/test_predict.py``), not predicted.
 """
 import argparse
 import json
@@ -38,6 +44,7 @@ THEN = "3a9230f"
 FITTED = (("lln", True),)  # the measured series the two factors are fitted to (the non-causal: above)
 # the kernels that walk the chunks serially in each program
 WALKS = ("linattn.ops.triton.lln_causal._states", "linattn.ops.triton.lln_causal_backward._grad_states")
+BUILDS_APART = ("ENDS", "FOLD")  # the constexprs that make one kernel function's launches builds of two LAUNCH keys
 
 
 def walk_trips(call: dict) -> int:
@@ -49,6 +56,15 @@ def walk_trips(call: dict) -> int:
     if not args.get("SEG"):
         return args["NC"]
     return args["SEG"] if call["constexprs"].get("ENDS") else -(-args["NC"] // args["SEG"]) - 1 + args["SEG"]
+
+
+def grids(runs: List[dict], keys: Dict[str, str]) -> List[dict]:
+    """Per target series and N of ``dev.perf.launches`` runs, each launch's LAUNCH key, causality and programs."""
+    from linattn_tools.benchmark.targets import TARGETS
+    return [dict(method=r["method"], causal=r["causal"], n=r["n"], d=r["d"], heads=r["heads"],
+                 launches=[dict(key=launch_key(c, keys), causal=c["constexprs"].get("CAUSAL"),
+                                programs=math.prod(c["grid"])) for c in r["launches"]])
+            for r in runs if (r["method"], r["causal"]) in TARGETS]
 
 
 def summarise(call: dict) -> dict:
@@ -104,18 +120,25 @@ def rows_by_key(resources: dict) -> Dict[tuple, dict]:
     return out
 
 
-def function_keys() -> Dict[str, str]:
-    """Each kernel function's LAUNCH key (``kernel_resources.kernels``)."""
+def function_keys() -> Dict[tuple, str]:
+    """Each kernel build's LAUNCH key by its function and ``BUILDS_APART`` constexprs (``kernel_resources.kernels``:
+    the walk's ends and the moment matcher's fold are builds of their own)."""
     import triton.language as tl
 
     from dev.perf.kernel_resources import kernels
     from dev.perf.launches import function
-    return {function(kernel.fn): key for kernel, key, _ in kernels(tl.float16)}
+    return {(function(kernel.fn), *(bool(c.get(n)) for n in BUILDS_APART)): key
+            for kernel, key, c in kernels(tl.float16)}
 
 
-def find_row(launch: dict, rows: Dict[tuple, dict], keys: Dict[str, str]) -> dict:
-    key = keys[launch["function"]]
-    return rows.get((key, launch["causal"])) or next(r for (k, _), r in rows.items() if k == key)
+def launch_key(call: dict, keys: Dict[tuple, str]) -> str:
+    """The LAUNCH key of a recorded launch (``function_keys``; a constexpr an earlier tree's kernel lacks: false)."""
+    return keys[(call["function"], *(bool(call["constexprs"].get(n)) for n in BUILDS_APART))]
+
+
+def find_row(key: str, causal: Optional[bool], rows: Dict[tuple, dict]) -> dict:
+    """The binary of ``key`` built for ``causal`` where it has one, else its only one (the block softmax's: causal)."""
+    return rows.get((key, causal)) or next(r for (k, _), r in rows.items() if k == key)
 
 
 def softmax_fit(measured: List[dict]) -> Dict[bool, Tuple[float, float]]:
@@ -138,7 +161,7 @@ def predict_step(launches: List[dict], rows, keys, eta: float, t_iter: float, ot
     kernels = []
     for call in launches:
         launch = summarise(call)
-        row = find_row(launch, rows, keys)
+        row = find_row(launch_key(call, keys), launch["causal"], rows)
         kernels.append(dict(launch, key=row["kernel"], registers=row["registers"],
                             **kernel_time(launch, row, eta, t_iter)))
     device = sum(k["time_s"] for k in kernels) + other_s
@@ -179,6 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--resources", default=str(DOCS / "kernel_resources_sm90_triton3.6.json"))
     p.add_argument("--resources-then", default=str(DOCS / "kernel_resources_sm90_f532fa9.json"))
     p.add_argument("--measured", default=str(DOCS / "gpu_targets_h100.json"))
+    p.add_argument("--grids-128", help="dev.perf.launches --json of the current tree at the targets, --d 128")
     p.add_argument("--json", help="write the prediction here")
     args = p.parse_args(argv)
     measured_rows = [r for r in json.loads(Path(args.measured).read_text())["runs"]["fused_chunk_parallel"]["rows"]
@@ -227,7 +251,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             other_s={str(c).lower(): v for c, v in other_now.items()},
             softmax_fit={str(c).lower(): dict(intercept_s=a, slope_s=b) for c, (a, b) in fits.items()},
             calibration=dict(commit=THEN, resources=Path(args.resources_then).name, rows=calibration),
-            predictions=predictions), indent=1) + "\n")
+            predictions=predictions,
+            grids_128=grids(json.loads(Path(args.grids_128).read_text())["runs"], keys) if args.grids_128 else None),
+            indent=1) + "\n")
     return 0
 
 

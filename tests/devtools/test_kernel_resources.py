@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import ROOT, torch_211_python
 
-from dev.perf.kernel_resources import RESIDUAL_SPILL_BYTES, SHARED_KIB, name
+from dev.perf.kernel_resources import ONE_BLOCK_AN_SM, RESIDUAL_SPILL_BYTES, SHARED_KIB, name
 
 pytest.importorskip("triton", minversion="3.6")
 
@@ -129,6 +129,15 @@ def test_every_kernel_fits_an_h100_and_spills_no_more_than_recorded(triton_of, t
     beyond = {(row["dtype"], row["d"], name(row)): row["spill_bytes"] for row in at_launch
               if row["spill_bytes"] > RESIDUAL_SPILL_BYTES[row["d"]].get(name(row), 0)}
     assert beyond == {}
+    # blocks an SM: two or more for every build at D = 64; at D = 128 one only for the ledger's kernels and those
+    # whose grids at the targets' shapes are at most two waves (as tests/devtools/test_predict.py holds the records)
+    predicted = json.loads((ROOT / "docs/benchmarks/predicted_h100.json").read_text())
+    programs = {}
+    for launch in (k for g in predicted["grids_128"] for k in g["launches"]):
+        programs[launch["key"]] = max(programs.get(launch["key"], 0), launch["programs"])
+    crowded = {(row["d"], row["kernel"]) for row in at_launch if row["blocks_per_sm"] < 2
+               and (row["d"] == 64 or programs.get(row["kernel"], 0) > 2 * predicted["gpu"]["sms"])}
+    assert crowded <= {(128, key) for key in ONE_BLOCK_AN_SM[128]} and not ONE_BLOCK_AN_SM[64]
 
 
 def test_markdown_against_compares_the_builds_both_runs_have():
