@@ -1,4 +1,5 @@
 """Fixtures and pytest options of the tests (what they share besides: helpers.py)."""
+import dataclasses
 import os
 
 # Triton's interpreter runs the fused kernels on CPU tensors (tests/ops/test_lln_fused.py). Triton reads this once,
@@ -50,3 +51,18 @@ def pytest_configure(config):
     if config.getoption("--fill-uninitialized") or os.environ.get(FILL_ENV) == "1":
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = True
+    without_overflow_sums()
+
+
+def without_overflow_sums() -> None:
+    """Triton's interpreter follows every int32 add, sub and mul of a kernel with the same operation in int64 and
+    two comparisons (``sanitize_overflow``) for a device assertion that it then drops (``device_assert`` asserts
+    only under ``debug``, off in the interpreter's options): about 40% of an interpreted kernel's time for nothing.
+    Off for the tests' session, unless the options ask for ``debug`` (then the assertions are made)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton: nothing interpreted
+        return
+    options = interpreter.interpreter_builder.options
+    if not options.debug:
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
