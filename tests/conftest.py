@@ -60,9 +60,39 @@ def without_overflow_sums() -> None:
     only under ``debug``, off in the interpreter's options): about 40% of an interpreted kernel's time for nothing.
     Off for the tests' session, unless the options ask for ``debug`` (then the assertions are made)."""
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:  # no Triton: nothing interpreted
         return
     options = interpreter.interpreter_builder.options
     if not options.debug:
         interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    patch_lang_once(interpreter, tl)
+
+
+def patch_lang_once(interpreter, tl) -> None:
+    """Triton's interpreter patches ``triton.language`` (each builtin of the module, its tensor and math, found by
+    ``inspect.getmembers``) when a kernel's grid starts, and again, the same way, at every call of a jit function
+    inside the kernel (``tl.sum`` and the like patch ``triton.language.core``): about a third of an interpreted
+    kernel's time. Here a call inside a grid skips the patch when the modules its function sees are already patched
+    in that grid; the grid's own patch and its restore are as before."""
+    original, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    grids = []  # per running grid: the ids of the language modules patched in it so far
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if grids and langs and langs <= grids[-1]:
+            return interpreter._LangPatchScope()
+        scope = original(fn)
+        if grids:
+            grids[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        grids.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            grids.pop()
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, run_grid
