@@ -86,6 +86,14 @@ def packed_siblings(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and k.storage_offset() == q.storage_offset() + d and v.storage_offset() == k.storage_offset() + d)
 
 
+def packs_grads(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a fused backward op writes dq, dk, dv into one tensor laid out as q, k, v's packed projection (its
+    ``pack``): where they are ``packed_siblings``, outside ``torch.compile`` only. A compiled graph's op may be
+    handed other buffers than it was traced with (Inductor gives an op's inputs storages of their own when it
+    works out its outputs), so there an op's outputs must not depend on how its inputs alias."""
+    return not torch.compiler.is_compiling() and packed_siblings(q, k, v)
+
+
 def kept_alone(x: Tensor) -> Tensor:
     """x, or a contiguous copy of it if x is one part of a larger storage (as q, k, v of the module's packed
     projection): what an op keeps of x for its backward then holds x's own bytes only (under ``torch.compile`` the

@@ -11,6 +11,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import fairseq_layout, packed_layout, siblings_layout  # noqa: E402
 
+from linattn.ops.packed_heads import packs_grads  # noqa: E402
 from linattn.ops.triton.common import (  # noqa: E402
     each_in_layout,
     grads_of,
@@ -117,7 +118,7 @@ def test_packed_siblings_are_read_in_place_and_their_gradients_go_into_one_tenso
     fairseq, sqk, sv, got = inputs_in_layout(q, k, v, grad)
     assert fairseq and (sqk, sv) == (12, 12) and all(a is b for a, b in zip(got[:3], (q, k, v)))
     assert head_stride(got[3]) == 4 and torch.equal(got[3], grad)
-    *grads, packed = new_grads(q, k, v)
+    *grads, packed = new_grads(q, k, v, packs_grads(q, k, v))
     assert [g.stride() for g in grads] == [t.stride() for t in (q, k, v)] and packed.shape == (2, 3, 5, 12)
     assert [g.data_ptr() - packed.data_ptr() for g in grads] == [0, 16, 32]
     returned = op_grads(*grads, packed)
@@ -126,7 +127,7 @@ def test_packed_siblings_are_read_in_place_and_their_gradients_go_into_one_tenso
     apart = packed_layout(*(t.contiguous() for t in (q, k, v)))
     fairseq, sqk, sv, got = inputs_in_layout(*apart)
     assert (sqk, sv) == (4, 4) and all(head_stride(t) == 4 and torch.equal(t, a) for t, a in zip(got, apart))
-    *grads, stand_in = new_grads(*apart)
+    *grads, stand_in = new_grads(*apart, packs_grads(*apart))
     assert all(head_stride(g) == 4 for g in grads) and stand_in.shape == (0,)
     assert grads_of(*op_grads(*grads, stand_in), 4) == tuple(grads)
     fairseq, strides, got = each_in_layout(q, fairseq_layout(k)[0], grad)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
+from ..packed_heads import packs_grads
 from ..real_tokens import real_first_order
 from .inputs import BlockInputs
 
@@ -54,5 +55,5 @@ def backward(x: BlockInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0,
     from ..triton.common import grads_of
 
     grads = block_softmax_backward(x.q, x.k, x.v, grad, x.mask, x.order, x.block, x.causal, float(scale),
-                                   *(add_to or (None, None, None)))
+                                   *(add_to or (None, None, None)), packs_grads(x.q, x.k, x.v))
     return grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v

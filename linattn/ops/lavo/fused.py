@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
+from ..packed_heads import packs_grads
 from ..precision import compute_dtype
 from .inputs import LavoInputs, window_valid
 
@@ -63,6 +64,6 @@ def backward(x: LavoInputs, saved: Tuple[Tensor, Tensor, Tensor], grad: Tensor) 
     from ..triton.lavo_backward import lavo_backward
 
     *grads, dbases, dbias = lavo_backward(x.q, x.k, x.v, x.bases, x.bias, x.valid, x.tok, x.order, grad, *saved,
-                                          x.causal)
+                                          x.causal, packs_grads(x.q, x.k, x.v))
     dq, dk, dv = grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
     return LavoInputs(q=dq, k=dk, v=dv, bases=dbases, bias=dbias)

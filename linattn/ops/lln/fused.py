@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..impls import Support
+from ..packed_heads import packs_grads
 from .inputs import LLNInputs
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -68,12 +69,13 @@ def backward(x: LLNInputs, saved: tuple, grad: Tensor, *, scale: float = 1.0) ->
     if not x.causal:
         from ..triton.lln_noncausal_backward import lln_noncausal_backward
         m, s, den = state
-        grads = lln_noncausal_backward(x.q, x.k, x.v, grad, out, alpha, beta, m, s, den, x.mask, float(scale))
+        grads = lln_noncausal_backward(x.q, x.k, x.v, grad, out, alpha, beta, m, s, den, x.mask, float(scale),
+                                       packs_grads(x.q, x.k, x.v))
     else:
         from ..triton.lln_causal_backward import lln_causal_backward
         m_incl, m_prev, g, rho, lse, s, den = state
         grads = lln_causal_backward(x.q, x.k, x.v, grad, out, den, alpha, beta, x.mask, m_prev, m_incl, g, rho, lse,
-                                    s, float(scale))
+                                    s, float(scale), packs_grads(x.q, x.k, x.v))
     return grads_of(*grads, x.q.shape[-1])  # views of one tensor for the module's packed q, k, v
 
 

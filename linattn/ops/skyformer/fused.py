@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..impls import Support
 from ..lln.fused import HALF_DTYPES, MAX_ELEMENTS, MAX_HEAD_DIM
+from ..packed_heads import packs_grads
 from ..precision import compute_dtype
 from .nystrom import (
                       Landmarks,
@@ -76,7 +77,8 @@ def backward(x: NystromInputs, saved: tuple, grad: Tensor) -> NystromInputs:
     from ..triton.nystrom_inverse import nystrom_inverse_backward
 
     t, u, m_inv, *inverse_saved = saved
-    *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, m_inv, x.used_cols, x.pad, t, u)
+    *grads, dland, dm_inv = nystrom_apply_backward(x.q, x.k, x.v, grad, x.land, m_inv, x.used_cols, x.pad, t, u,
+                                                   packs_grads(x.q, x.k, x.v))
     dq, dk, dv = grads_of(*grads, x.q.shape[-1])
     if x.exact_inverse:
         dland += landmark_inverse_grad(x.land, x.used, x.gamma, True, dm_inv)

@@ -159,14 +159,14 @@ def _(q, k, v, mask, order, block_size, causal, average_with):
 def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: Optional[Tensor],
                            order: Optional[Tensor], block_size: int, causal: bool, scale: float,
                            add_q: Optional[Tensor], add_k: Optional[Tensor],
-                           add_v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                           add_v: Optional[Tensor], pack: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (B,H,N,D), dv (B,H,N,Dv) of ``scale`` x block softmax, from dL/d(out) ``grad`` (q's dtype), plus
     add_q, add_k, add_v (another part's gradients, or all None) added in fp32; in q's dtype and the layouts of q, k,
-    v, as ``common.op_grads``."""
+    v, as ``common.op_grads`` (``pack``: ``common.new_grads``')."""
     b, h, n, d = q.shape
     dv_dim = v.shape[-1]
-    dq, dk, dv, packed = new_grads(q, k, v)
-    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))
+    dq, dk, dv, packed = new_grads(q, k, v, pack)
+    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype), pack=pack)
     mask_u8, order = _mask_and_order(mask, order, k)
     add = add_q is not None
     addends = [_strided_as(a, out) for a, out in zip((add_q, add_k, add_v), (dq, dk, dv))] if add else [dq, dk, dv]
@@ -180,8 +180,8 @@ def block_softmax_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, mask: 
 
 
 @torch.library.register_fake(block_softmax_backward)
-def _(q, k, v, grad, mask, order, block_size, causal, scale, add_q, add_k, add_v):
-    return op_grads(*new_grads(q, k, v))
+def _(q, k, v, grad, mask, order, block_size, causal, scale, add_q, add_k, add_v, pack):
+    return op_grads(*new_grads(q, k, v, pack))
 
 
 def _mask_and_order(mask: Optional[Tensor], order: Optional[Tensor], stand_in: Tensor) -> Tuple[Tensor, Tensor]:

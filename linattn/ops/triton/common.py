@@ -189,29 +189,40 @@ def each_in_layout(*tensors: torch.Tensor) -> Tuple[bool, Tuple[int, ...], Tuple
     return False, tuple(t.shape[-1] for t in tensors), tensors
 
 
-def inputs_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor
-                     ) -> Tuple[bool, int, int, Tuple[torch.Tensor, ...]]:
+def inputs_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor,
+                     pack: Optional[bool] = None) -> Tuple[bool, int, int, Tuple[torch.Tensor, ...]]:
     """(fairseq, SQK, SV, (q, k, v, *rest)): q, k, v (B,H,N,D|Dv) as the kernels read them and write their gradients
-    (``new_grads``), at X = SQK for q and k, SV for v (``tile_at``): in place where they are packed siblings
-    (``packed_siblings``: SQK = SV = 2D+Dv), else in q's layout, fairseq's own or contiguous (``in_layout``: SQK =
-    D, SV = Dv); the ``rest`` likewise in their own."""
+    (``new_grads``), at X = SQK for q and k, SV for v (``tile_at``): in place where ``pack`` (a backward op's, as
+    its gradients are laid out; None, a forward op's: where they are ``packed_siblings``: SQK = SV = 2D+Dv), else
+    in q's layout, fairseq's own or contiguous (``in_layout``: SQK = D, SV = Dv); the ``rest`` likewise in their
+    own."""
     fairseq = fairseq_layout(q)
     rest = tuple(in_layout(t, fairseq) for t in rest)
-    if packed_siblings(q, k, v):
+    if packed_siblings(q, k, v) if pack is None else pack:
+        if not packed_siblings(q, k, v):  # asked to pack apart tensors: one packed copy of them
+            *parts, _ = packed_parts(q, v)
+            q, k, v = (part.copy_(t) for part, t in zip(parts, (q, k, v)))
         return True, head_stride(q), head_stride(v), (q, k, v, *rest)
     q, k, v = (in_layout(t, fairseq) for t in (q, k, v))
     return fairseq, q.shape[-1], v.shape[-1], (q, k, v, *rest)
 
 
-def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Empty dq, dk, dv laid out as ``inputs_in_layout`` lays out q, k, v, and the ``packed`` tensor they lie in:
-    for packed siblings, views of one new (B,H,N,2D+Dv) tensor in their layout; else each with the rows of its
-    input in q's layout (``new_rows``), ``packed`` a stand-in (0,). A backward op returns ``op_grads`` of them."""
-    if packed_siblings(q, k, v):
-        b, h, n, d = q.shape
-        packed = q.new_empty((n, b, h, 2 * d + v.shape[-1])).permute(1, 2, 0, 3)
-        return packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:], packed
+def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: bool) -> Tuple[torch.Tensor, ...]:
+    """Empty dq, dk, dv laid out as ``inputs_in_layout(..., pack=pack)`` lays out q, k, v, and the ``packed`` tensor
+    they lie in: if ``pack`` (its caller's ``packed_heads.packs_grads``), ``packed_parts``; else each with the rows
+    of its input in q's layout (``new_rows``), ``packed`` a stand-in (0,). A backward op returns ``op_grads`` of
+    them: their shapes follow ``pack`` alone, not how q, k, v alias (what ``torch.compile`` and ``opcheck`` need)."""
+    if pack:
+        return packed_parts(q, v)
     return (*(new_rows(t, t.shape[-1], q.dtype, q) for t in (q, k, v)), q.new_empty(0))
+
+
+def packed_parts(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Three empty (B,H,N,D), (B,H,N,D), (B,H,N,Dv) packed siblings (``packed_siblings``: the module's packed
+    projection's layout) of q's shape and dtype, and the (B,H,N,2D+Dv) tensor they are views of."""
+    b, h, n, d = q.shape
+    packed = q.new_empty((n, b, h, 2 * d + v.shape[-1])).permute(1, 2, 0, 3)
+    return packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:], packed
 
 
 def op_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:

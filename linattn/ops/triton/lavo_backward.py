@@ -257,16 +257,16 @@ def _local_grad(q_ptr, k_ptr, v_ptr, grad_ptr, bias_ptr, valid_ptr, order_ptr, c
 @kernel_op("lavo_backward")
 def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tensor, valid: Tensor, tok: Tensor,
                   order: Optional[Tensor], grad: Tensor, win: Tensor, mean: Tensor, coef: Tensor,
-                  causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  causal: bool, pack: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (B,H,N,D) and their packed tensor (``common.op_grads``) and dbases (H,r,D) in the inputs' dtype,
     dpos_bias (H,2w-1) fp32, from dL/d(out) ``grad`` (q's dtype) and what ``lavo.lavo`` saved (win, mean, coef);
-    ``order`` as ``lavo.lavo``'s."""
+    ``order`` as ``lavo.lavo``'s, ``pack`` as ``common.new_grads``'."""
     b, h, n, d = q.shape
     w, r = window_of(pos_bias), bases.shape[1]
     nw = tok.shape[1] // w
-    dq, dk, dv, packed = new_grads(q, k, v)
+    dq, dk, dv, packed = new_grads(q, k, v, pack)
     dqg = new_rows(q, d, torch.float32)  # dL/dq from F_global, in q's layout
-    fairseq, sqk, _, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))  # D = Dv: v at SQK too
+    fairseq, sqk, _, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype), pack=pack)  # D = Dv: v at SQK too
     bases, pos_bias, valid = bases.contiguous(), pos_bias.contiguous(), valid.contiguous()
     sizes = dict(BW=block(w), BD=block(d), HALF_TY=HALF[q.dtype], EMULATE=emulate_half_dot(q.dtype), CAUSAL=causal,
                  FAIRSEQ=fairseq, ORDERED=order is not None)
@@ -294,6 +294,6 @@ def lavo_backward(q: Tensor, k: Tensor, v: Tensor, bases: Tensor, pos_bias: Tens
 
 
 @torch.library.register_fake(lavo_backward)
-def _(q, k, v, bases, pos_bias, valid, tok, order, grad, win, mean, coef, causal):
-    return (*op_grads(*new_grads(q, k, v)), torch.empty_like(bases),
+def _(q, k, v, bases, pos_bias, valid, tok, order, grad, win, mean, coef, causal, pack):
+    return (*op_grads(*new_grads(q, k, v, pack)), torch.empty_like(bases),
             pos_bias.new_empty(pos_bias.shape, dtype=torch.float32))

@@ -272,17 +272,17 @@ def _value_grads(q_ptr, k_ptr, grad_ptr, den_ptr, alpha_ptr, beta_ptr, mask_ptr,
 @kernel_op("lln_causal_backward")
 def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, den: Tensor, alpha: Tensor,
                         beta: Tensor, mask: Optional[Tensor], m_prev: Tensor, m_incl: Tensor, g: Tensor, rho: Tensor,
-                        lse: Tensor, s: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                        lse: Tensor, s: Tensor, scale: float, pack: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (B,H,N,D), dv (B,H,N,Dv) in the inputs' dtype and layout (``common.op_grads``) of ``scale`` x causal
     LLN, from dL/d(out) ``grad`` and the state of ``lln_causal`` (out, den, s) and its shifts (as ``lln_causal``
-    returns them)."""
-    dq, dk, dv, packed = new_grads(q, k, v)
+    returns them); ``pack`` as ``common.new_grads``'."""
+    dq, dk, dv, packed = new_grads(q, k, v, pack)
     b, h, n, d = q.shape
     nc, c = g.shape[2:]
     dv_dim = v.shape[-1]
     mask_u8 = mask_bytes(mask, k)
     grad = grad.to(q.dtype)  # autograd's gradient of the op's output (q's dtype): its products with v are exact
-    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
+    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out, pack=pack)
     den, m_prev, m_incl, rho, lse = (t.contiguous() for t in (den, m_prev, m_incl, rho, lse))
     gs = s.new_empty(s.shape)  # G_c of every chunk (B,H,nc,D,Dv+1)
     ends, walk = walk_grid(b, h, n, d, dv_dim, c, backward=True)
@@ -306,5 +306,5 @@ def lln_causal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tens
 
 
 @torch.library.register_fake(lln_causal_backward)
-def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s, scale):
-    return op_grads(*new_grads(q, k, v))
+def _(q, k, v, grad, out, den, alpha, beta, mask, m_prev, m_incl, g, rho, lse, s, scale, pack):
+    return op_grads(*new_grads(q, k, v, pack))

@@ -171,13 +171,14 @@ def _key_features(k_ptr, beta, m_ptr, pid, rows, f, ok, S, D, SQK, BH, FAIRSEQ: 
 @kernel_op("lln_noncausal_backward")
 def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, alpha: Tensor, beta: Tensor,
                            m: Tensor, s: Tensor, den: Tensor, mask: Optional[Tensor],
-                           scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                           scale: float, pack: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq (B,H,N,D), dk (B,H,S,D), dv (B,H,S,Dv) in the inputs' dtype of ``scale`` x LLN from dL/d(out) ``grad``
-    and the output and state of ``lln_noncausal`` (out in q's dtype, m, s, den), as ``common.op_grads``."""
-    dq, dk, dv, packed = new_grads(q, k, v)
+    and the output and state of ``lln_noncausal`` (out in q's dtype, m, s, den), as ``common.op_grads`` (``pack``:
+    ``common.new_grads``')."""
+    dq, dk, dv, packed = new_grads(q, k, v, pack)
     b, h, n, d = q.shape
     length, dv_dim = v.shape[2], v.shape[3]
-    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out)
+    fairseq, sqk, sv, (q, k, v, grad, out) = inputs_in_layout(q, k, v, grad, out, pack=pack)
     m, s, den = m.contiguous(), s.contiguous(), den.contiguous()
     rows, split_rows = forward.ROWS, forward.SPLIT_ROWS
     assert split_rows % rows == 0, (split_rows, rows)
@@ -199,5 +200,5 @@ def lln_noncausal_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: T
 
 
 @torch.library.register_fake(lln_noncausal_backward)
-def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale):
-    return op_grads(*new_grads(q, k, v))
+def _(q, k, v, grad, out, alpha, beta, m, s, den, mask, scale, pack):
+    return op_grads(*new_grads(q, k, v, pack))

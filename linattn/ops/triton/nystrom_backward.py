@@ -141,14 +141,14 @@ def landmarks_pass(x_ptr, a_ptr, factor_ptr, land_ptr, used_ptr, mask_ptr, at, B
 @kernel_op("nystrom_apply_backward")
 def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: Tensor, m_inv: Tensor,
                            used: Tensor, mask: Optional[Tensor], t: Tensor,
-                           u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           u: Tensor, pack: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (B,H,N,D), dv (B,H,N,Dv) and their packed tensor (``common.op_grads``) in the inputs' dtype, dL/d(land)
     (B,H,L,D) and dL/dM^-1 (B,H,L,L) fp32, from dL/d(out) ``grad`` (q's dtype) and the forward's T, U
-    (``nystrom.nystrom_apply``)."""
-    dq, dk, dv, packed = new_grads(q, k, v)
+    (``nystrom.nystrom_apply``); ``pack`` as ``common.new_grads``'."""
+    dq, dk, dv, packed = new_grads(q, k, v, pack)
     b, h, n, d = q.shape
     dv_dim, num = v.shape[-1], land.shape[2]
-    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype))
+    fairseq, sqk, sv, (q, k, v, grad) = inputs_in_layout(q, k, v, grad.to(q.dtype), pack=pack)
     land, used = land.contiguous(), used.contiguous()
     du = forward.kernel_state(q, grad, land, used, mask, keys=False)
     dt = (m_inv @ du).contiguous()
@@ -169,5 +169,5 @@ def nystrom_apply_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, land: 
 
 
 @torch.library.register_fake(nystrom_apply_backward)
-def _(q, k, v, grad, land, m_inv, used, mask, t, u):
-    return (*op_grads(*new_grads(q, k, v)), torch.empty_like(land), torch.empty_like(m_inv))
+def _(q, k, v, grad, land, m_inv, used, mask, t, u, pack):
+    return (*op_grads(*new_grads(q, k, v, pack)), torch.empty_like(land), torch.empty_like(m_inv))
