@@ -9,7 +9,10 @@ one sequence, bf16: ATen's CPU kernels then cost about what a GPU's launches do)
 The fused implementation's GPU launches, and the ATen ops' CUDA launch calls, add to these times on a GPU; the
 GPU's own measure is ``linattn_tools.benchmark.targets``' ``issue_s`` and ``profile_step``'s head.
 
-    python -m dev.perf.host_time [--impl fused] [--rounds 5] [--steps 100] [--json F]
+    python -m dev.perf.host_time [--impl fused] [--rounds 5] [--steps 100] [--compile] [--json F]
+
+``--compile``: every module (the softmax one too) with ``--attention-compile`` (its first-step check off), compiled
+before the timing: Dynamo's guards and AOTAutograd's wrappers in place of the op's Python (no CUDA graph here).
 """
 import argparse
 import contextlib
@@ -67,9 +70,12 @@ class Series:
     """One series' module and step inputs (non-causal steps with the last token padded), stepped with the kernels
     stubbed (``stub_launches``)."""
 
-    def __init__(self, method: str, causal: bool, impl: str):
+    def __init__(self, method: str, causal: bool, impl: str, compiled: bool = False):
         self.method, self.causal = method, causal
-        self.module = build_attention(method, EMBED, HEADS, causal=causal, config={"attention_impl": impl})
+        config = {"attention_impl": impl}
+        if compiled:
+            config.update(attention_compile=True, attention_compile_check="off")
+        self.module = build_attention(method, EMBED, HEADS, causal=causal, config=config)
         self.module = self.module.to(dtype=torch.bfloat16).train()
         self.x = torch.randn(LENGTH, 1, EMBED, dtype=torch.bfloat16, requires_grad=True)
         self.mask = None if causal else torch.arange(LENGTH)[None, :] >= LENGTH - LENGTH // 8
@@ -98,10 +104,10 @@ class Series:
                 "medians_s": self.medians, "ops": ops.launched, "triton_launches": launches}
 
 
-def measure(impl: str, rounds: int, steps: int) -> List[dict]:
-    """Every series of ``series()`` (the linear ones in ``impl``), timed in ``rounds`` interleaved rounds of
-    ``steps`` steps each after 20 untimed ones."""
-    runs = [Series(m, c, "auto" if m == BASELINE else impl) for m, c in series()]
+def measure(impl: str, rounds: int, steps: int, compiled: bool = False) -> List[dict]:
+    """Every series of ``series()`` (the linear ones in ``impl``; each module compiled if ``compiled``), timed in
+    ``rounds`` interleaved rounds of ``steps`` steps each after 20 untimed ones."""
+    runs = [Series(m, c, "auto" if m == BASELINE else impl, compiled) for m, c in series()]
     with stub_launches() as counts:
         launches = []
         for run in runs:
@@ -126,14 +132,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--impl", default="fused", help="the linear methods' --attention-impl (default fused)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the series (the least median kept)")
     p.add_argument("--steps", type=int, default=100, help="steps timed per series and round (their median)")
+    p.add_argument("--compile", action="store_true", help="every module with --attention-compile")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
-    rows = measure(args.impl, args.rounds, args.steps)
+    rows = measure(args.impl, args.rounds, args.steps, args.compile)
     base = {r["causal"]: r["host_s"] for r in rows if r["method"] == BASELINE}
-    print(f"host time of one training step (E = {EMBED}, H = {HEADS}, N = {LENGTH}, bf16, kernels not run), "
-          f"torch {torch.__version__}")
+    print(f"host time of one training step (E = {EMBED}, H = {HEADS}, N = {LENGTH}, bf16, kernels not run"
+          f"{', compiled' if args.compile else ''}), torch {torch.__version__}")
     print("| series | implementation | host ms | over softmax's | ops dispatched | Triton launches |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -142,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{r['ops']} | {r['triton_launches']} |")
     if args.json:
         write_json(Path(args.json), {"torch": torch.__version__, "embed": EMBED, "heads": HEADS, "length": LENGTH,
-                               "impl": args.impl, "rounds": args.rounds, "steps": args.steps,
+                               "impl": args.impl, "compiled": args.compile, "rounds": args.rounds,
+                               "steps": args.steps,
                                "rows": rows})
     return 0
 
