@@ -79,13 +79,9 @@ LONGS = ("batches_ptr",)  # the moment matching's
 RESIDUAL_SPILL_BYTES = {64: {}, 128: {}}
 # Per head size, the kernels whose grid at the targets' shapes (docs/benchmarks/predicted_h100.json: D = 64, H = 12
 # and D = 128, H = 6) is more than two waves of one block an SM and that still hold one block an SM with fp16 or bf16
-# inputs and Triton 3.6 or 3.9, and why: the ledger ``test_predict`` holds the records to, which only shrinks.
-ONE_BLOCK_AN_SM = {
-    64: {},
-    128: {"nystrom_rows_grad": "168 KiB of shared memory on 16 warps (8 warps or 8 rows a step: 164-168 KiB): its tf32 "
-                               "operand tiles over the 128 landmarks and Dv",
-          "nystrom_landmarks_grad": "194-217 registers on 8 warps and 104-112 KiB of shared memory (on 4 warps it "
-                                    "spills 584 bytes)"}}
+# inputs and Triton 3.6 or 3.9, and why: the ledger ``test_predict`` holds the records to, which only shrinks. Empty
+# at D = 128 since the Nyström backward's two take the landmarks a block at a time (``nystrom_backward``).
+ONE_BLOCK_AN_SM = {64: {}, 128: {}}
 CONFIGS = ("fp16:64", "bf16:64", "fp16:128", "bf16:128")  # the head sizes the methods' SHARED_MEMORY_KIB cover
 VARIANTS = (("WIDE", 1), ("WIDE", 3), ("WIDE", 0), ("BV", 32))  # the tuner's alternatives (--variants-at)
 

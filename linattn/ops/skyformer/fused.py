@@ -28,7 +28,9 @@ from .nystrom import (
 )
 
 MAX_LANDMARKS = 128  # the largest d: a program holds C's (rows, d) block and L in registers
-SHARED_MEMORY_KIB = {64: 88, 128: 168}  # the largest block (the backward's ``_rows_grad``), sm_90, Triton 3.6
+# the largest block: at D <= 64 the backward's ``_rows_grad`` (sm_90, Triton 3.6); at D <= 128 the forward's
+# ``_readout`` as built for an A100 (on sm_90 the backward's ``_rows_grad``, 68 KiB)
+SHARED_MEMORY_KIB = {64: 90, 128: 96}
 SUPPORT = Support(dtypes=HALF_DTYPES, devices=("cuda",), triton=True, causal=False, max_head_dim=MAX_HEAD_DIM,
                   max_elements=MAX_ELEMENTS, shared_memory_kib=SHARED_MEMORY_KIB)
 

@@ -22,9 +22,10 @@ TINY = tl.constexpr(1e-30)  # the smallest denominator, as ``lln/features._TINY`
 # Launch settings per kernel (warps, pipeline stages, BF and BV: features and value columns per program of a walk
 # over the chunks, of the non-causal LLN readout and backward's rows, or of the block softmax's backward (BF, BV at
 # most D's and Dv's block: the whole of it), SPLIT: chunks a segment of a walk (``walk_grid``), BLOCK: rows a step
-# of the Nyström state and backward ((BLOCK, L) tiles of C, dE or their transposes in registers), TF32: the products
-# of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32 FMAs (false);
-# ``wide_dot``).
+# of the Nyström state and backward ((BLOCK, BJ) tiles of C, dE or their transposes in registers; BJ: the backward's
+# landmarks a step of its rows' kernel or a program of its landmarks', at most L's block; the state's: all L), TF32:
+# the products of unbounded fp32 operands on tensor cores, in tf32 (true) or tf32x3 ("x3"), instead of exact fp32
+# FMAs (false); ``wide_dot``).
 # Chosen so that no kernel spills registers at D = 64 where a setting can avoid it: exact fp32 products of 64x64
 # tiles are FMAs whose operands fill a thread's 255 registers, and a spilled tile goes to local memory and back at
 # each use, which bounds a kernel's time (docs/design.md §1.3.1, *Registers*; what each setting spills, read from
@@ -46,8 +47,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "block_softmax_backward": dict(BF=64, BV=64, num_warps=4, num_stages=1, TF32=True),
           "nystrom_state": dict(BLOCK=32, num_warps=8, num_stages=2),
           "nystrom_readout": dict(num_warps=4, num_stages=1, TF32=True),
-          "nystrom_rows_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
-          "nystrom_landmarks_grad": dict(BLOCK=16, num_warps=8, num_stages=1, TF32=True),
+          "nystrom_rows_grad": dict(BLOCK=16, BJ=128, num_warps=8, num_stages=1, TF32=True),
+          "nystrom_landmarks_grad": dict(BLOCK=16, BJ=128, num_warps=8, num_stages=1, TF32=True),
           "nystrom_inverse": dict(BLOCK=32, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "nystrom_inverse_grad": dict(BLOCK=16, BK=16, num_warps=4, num_stages=1, TF32="x3"),
           "lavo_local": dict(BLOCK=64, BK=64, num_warps=4, num_stages=1),
@@ -62,7 +63,9 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
           "lln_moment_fold": dict(num_warps=1, num_stages=1, enable_fp_fusion=False)}
 
 # At D or Dv over 64 (blocks of 128), where ``LAUNCH``'s settings would spill more: more warps for the kernels that
-# spill less with them (docs/benchmarks.md, Fused kernels' registers, D = 128; the Nyström backward's rows on 16),
+# spill less with them (docs/benchmarks.md, Fused kernels' registers, D = 128), the Nyström backward's tiles cut to
+# a block of landmarks on 4 warps, two blocks an SM (its rows 64 a step over 16 landmarks at a time, each block's
+# rows of L and W read again: not held, as all 128 took 168 KiB of shared memory; its landmarks 64 a program),
 # fewer value columns a program for the non-causal ``_readout`` (32: two blocks an SM on 8 warps), and the causal
 # LLN kernels' tiles cut to (C, 32) or (C, 64) on 4 warps, two blocks an SM: ``_outputs`` and ``_value_grads`` step
 # over 32 features, ``_grads`` over 32 value columns (of its 32 features), the backward's walk takes 64 (BF, BV;
@@ -72,7 +75,8 @@ LAUNCH = {"lln_key_max": dict(num_warps=4, num_stages=2),
 # thread, and no product replicated across warpgroups: at 8 warps a chained product's 64 rows are held and computed
 # by both, docs/design.md §1.3.1, *Replicated products*), or on 8 where a kernel holds at most 128 (the non-causal
 # ``_readout`` and ``_state_grad``, their products of half operands; the Nyström backward's two, 16 rows a step).
-LAUNCH_128 = {"nystrom_rows_grad": dict(num_warps=16), "block_softmax": dict(num_warps=8),
+LAUNCH_128 = {"nystrom_rows_grad": dict(BLOCK=64, BJ=16, num_warps=4),
+              "nystrom_landmarks_grad": dict(BJ=64, num_warps=4), "block_softmax": dict(num_warps=8),
               "lln_causal_ends": dict(num_warps=8),
               "lln_causal_outputs": dict(BF=32), "lln_causal_grad_ends": dict(BV=64),
               "lln_causal_grad_states": dict(BV=64), "lln_causal_grads": dict(BF=32, BV=32),

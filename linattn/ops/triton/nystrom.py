@@ -40,11 +40,11 @@ SPLIT_ROWS = 1024  # rows per program of ``_state`` and of the backward's two (a
 
 
 @triton.jit
-def landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr):
-    """The landmarks of head ``pid`` (B*H order), stored (L, D) fp32 as L = l D^(-1/4): l (BL, BD) in HALF_TY
-    (exact: the landmarks are rows of the half inputs), L itself (BL, BD) fp32, |l|² (BL,) and the used-slot
-    factors (BL,) (1 or 0; 0 outside)."""
-    j = tl.arange(0, BL)
+def landmarks(land_ptr, used_ptr, pid, H, L, D, s, j0, BL: tl.constexpr, BD: tl.constexpr, HALF_TY: tl.constexpr):
+    """Landmarks j0 to j0 + BL of head ``pid`` (B*H order), stored (L, D) fp32 as L = l D^(-1/4): l (BL, BD) in
+    HALF_TY (exact: the landmarks are rows of the half inputs), L itself (BL, BD) fp32, |l|² (BL,) and the used-slot
+    factors (BL,) (1 or 0; 0 past L)."""
+    j = j0 + tl.arange(0, BL)
     d = tl.arange(0, BD)
     land = tl.load(land_ptr + pid * L * D + j[:, None] * D + d[None, :], mask=(j[:, None] < L) & (d[None, :] < D),
                    other=0.0)
@@ -97,9 +97,16 @@ def kernel_block(x_ptr, mask_ptr, BH, FAIRSEQ: tl.constexpr, pid, H, rows, end, 
     raw_t: lᵀ (BD, BL) in HALF_TY, transposed before a loop over rows (transposed in the loop, l would be held in
     registers and stored to shared memory at every step)."""
     x, live, real = kernel_rows(x_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, end, D, SX, BD, HAS_MASK, KEYS)
+    return x, columns(x, live, raw_t, raw_sq, used, s2, HALF_TY, EMULATE), real
+
+
+@triton.jit
+def columns(x, live, raw_t, raw_sq, used, s2, HALF_TY: tl.constexpr, EMULATE: tl.constexpr):
+    """C = kappa(x_s, L) (R, BL) fp32 of rows x (R, BD) read by ``kernel_rows`` (0 where not ``live``) and the
+    landmarks lᵀ (BD, BL) in HALF_TY, |l|² and used-slot factors (BL,) (``landmarks``): x lᵀ on tensor cores."""
     xl = half_dot(x, raw_t, HALF_TY, EMULATE)
     c = gaussian(xl, square_norms(x), raw_sq, used, s2, 1)
-    return x, tl.where(live[:, None], c, 0.0), real
+    return tl.where(live[:, None], c, 0.0)
 
 
 @triton.jit
@@ -125,7 +132,7 @@ def _state(x_ptr, w_ptr, land_ptr, used_ptr, mask_ptr, part_ptr, BH, s, H, N, SP
     pid = tl.program_id(0)
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
-    raw, land, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)  # land: unused
+    raw, land, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, 0, BL, BD, HALF_TY)  # land: unused
     acc = tl.zeros((BL, BDV), tl.float32)
     first = tl.program_id(1) * SPLIT
     for start in range(first, tl.minimum(first + SPLIT, N), BLOCK):
@@ -151,7 +158,7 @@ def _readout(q_ptr, land_ptr, used_ptr, mask_ptr, u_ptr, out_ptr, BH, s, H, N, D
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     e = tl.arange(0, BDV)
     j = tl.arange(0, BL)
-    raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, BL, BD, HALF_TY)
+    raw, _, raw_sq, used = landmarks(land_ptr, used_ptr, pid, H, L, D, s, 0, BL, BD, HALF_TY)
     _, c, _ = kernel_block(q_ptr, mask_ptr, BH, FAIRSEQ, pid, H, rows, N, tl.trans(raw), raw_sq, used, s * s, D, SQ,
                           BD, HALF_TY, EMULATE, HAS_MASK, KEYS)
     u = tl.load(u_ptr + pid * L * DV + j[:, None] * DV + e[None, :], mask=(j[:, None] < L) & (e[None, :] < DV),

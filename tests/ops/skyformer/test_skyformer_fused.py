@@ -99,9 +99,20 @@ def test_padded_rows_reach_nothing_whatever_they_hold(gen, side):
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=EXTENDED)])
 def test_fused_with_wide_heads_matches_the_reference(gen, dtype):
     """D = 72, Dv = 80: blocks of 128, at ``LAUNCH_128``'s settings (the backward's ``_rows_grad`` and
-    ``_landmarks_grad`` in tf32, 16 rows a step: N = 37 in three steps, the last one partial; dV by ``_readout``)."""
+    ``_landmarks_grad`` in tf32; ``_rows_grad`` 64 rows a step over blocks of 16 landmarks: the 24 in two, the second
+    partial; ``_landmarks_grad`` 16 rows a step: N = 37 in three steps, the last one partial; dV by ``_readout``)."""
     q, k, v = inputs(gen, DTYPES[dtype], 37, d=72, dv=80)
     check_against_reference(gen, q, k, v, dtype, mask=padding_mask(2, 37, "left", gen), num_landmarks=24)
+
+
+def test_wide_heads_over_several_landmark_blocks_and_row_steps(gen, monkeypatch):
+    """The backward at D = 72, Dv = 80 with 40 landmarks in blocks of 16 (BJ), the last one partial: ``_rows_grad``
+    sums each step's dE L and rowsum(dE) over three blocks, 16 rows a step (N = 37: three steps, the last one
+    partial), and ``_landmarks_grad`` takes a block a program (its rows of dL/dL apart)."""
+    monkeypatch.setenv("LINATTN_TRITON_LAUNCH", json.dumps({"nystrom_rows_grad": {"BLOCK": 16, "BJ": 16},
+                                                            "nystrom_landmarks_grad": {"BJ": 16}}))
+    q, k, v = inputs(gen, torch.float16, 37, d=72, dv=80)
+    check_against_reference(gen, q, k, v, "float16", mask=padding_mask(2, 37, "right", gen), num_landmarks=40)
 
 
 @pytest.mark.parametrize("side", ["left", pytest.param("right", marks=EXTENDED)])
