@@ -238,8 +238,41 @@ def test_compile_stage_fails_a_case_that_does_not_compile_or_compiles_to_no_grap
     rows = {r.check: r for r in stage.rows}
     assert rows["lln decoder output compiled vs eager"].status == "FAIL"
     assert rows["lln decoder gradients compiled vs eager"].status == "FAIL"
-    assert compiled.cases(quick=True) == (("lln", "decoder"),)
-    assert {("lavo", "decoder"), ("skyformer", "encoder"), ("softmax", "decoder")} <= set(compiled.cases(False))
+    assert compiled.cases(quick=True) == (("lln", "decoder", "parallel"), ("lln", "decoder", "fused"))
+    assert compiled.cases(quick=True, device="cpu") == (("lln", "decoder", "parallel"),)
+    every = set(compiled.cases(False))
+    assert {("lavo", "decoder", "parallel"), ("skyformer", "encoder", "parallel"), ("softmax", "decoder", "parallel"),
+            ("lln", "decoder", "fused"), ("lavo", "encoder", "fused"), ("skyformer", "encoder", "fused")} <= every
+    assert not {("softmax", "decoder", "fused"), ("kernelized", "encoder", "fused")} & every  # no fused kernels
+
+
+def test_compile_stage_runs_fused_cases_in_half_precision_or_says_why_not(monkeypatch):
+    """A fused case compiles modules that run ``fused`` in float16 here (bfloat16 on a GPU with it; the kernels take
+    half only), judged by the dtype's tolerances; where fused cannot run (the CPU without Triton's interpreter) the
+    case is one SKIP naming why, not a failure. Small sizes and an eager "compiler": the wiring, in seconds."""
+    monkeypatch.setitem(compiled.SIZES, False, dict(batch=2, heads=2, n=12, head_dim=16))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    built = []
+    build_pair = compiled.build_pair
+    monkeypatch.setattr(compiled, "build_pair", lambda *a, **k: built.append(build_pair(*a, **k)) or built[-1])
+    stage = core.Stage("compile")
+    compiled.check_case(stage, "lln", "decoder", "cpu", "fused")
+    rows = {r.check: r for r in stage.rows}
+    assert rows["lln decoder fused float16 output compiled vs eager"].status == "PASS"
+    assert rows["lln decoder fused float16 gradients compiled vs eager"].status == "PASS"
+    assert rows["lln decoder fused float16 output compiled vs eager"].threshold == "<= 5.0e-03"  # not float32's
+    assert rows["lln decoder fused float16 step time compiled vs eager"].detail.endswith("fused float16")
+    for module in built[0]:
+        assert module.config.attention_impl == "fused" and module.q_proj.weight.dtype == torch.float16
+    assert compiled.case_dtype("fused", "cpu") == "float16" and compiled.case_dtype("parallel", "cuda") == "float32"
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    stage = core.Stage("compile")
+    compiled.check_case(stage, "lavo", "decoder", "cpu", "fused")
+    (row,) = stage.rows
+    assert (row.check, row.status) == ("lavo decoder fused float16 compiles", "SKIP") and "TRITON_INTERPRET" in \
+        row.detail
+    assert stage.status == "SKIP" and len(built) == 1
 
 
 def test_report_and_summary_pass_only_when_no_check_failed(tmp_path):
