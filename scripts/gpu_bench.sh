@@ -20,8 +20,9 @@ Usage: bash scripts/gpu_bench.sh [--out DIR] [--cap SECONDS] [--impl fused|paral
                                  [--tune SECONDS] [--profile] [--fla-wheels DIR] [--quick]
 
 One attention module's training step (768 wide, 12 heads, weights and inputs in the dtype, forward + backward from
-an output gradient with no loss, median of 10 after 3 warm-up steps, CUDA events) for LLN, LLN causal, LLN+Diag,
-LAVO causal and Skyformer with --attention-impl IMPL [fused; auto with --quick], against the softmax module (SDPA) of the same
+an output gradient with no loss, median of 10 after 3 warm-up steps, CUDA events; also the host's time to issue
+it, and the step captured in one CUDA graph and replayed, or why it could not be captured) for LLN, LLN causal,
+LLN+Diag, LAVO causal and Skyformer with --attention-impl IMPL [fused; auto with --quick], against the softmax module (SDPA) of the same
 causality, in float16 and bfloat16, at N = 2048, 4096, 16384, 32768 with 32768 tokens per step (B = 16, 8, 2, 1);
 causal steps unpadded, non-causal ones with the last eighth of one sequence padded. One small step of every series
 per dtype first compiles the kernels (Triton caches them on disk). Each (dtype, N) point runs in a process of its

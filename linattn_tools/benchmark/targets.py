@@ -10,9 +10,11 @@ causality, same dtype, at a fixed number of tokens per step (docs/design.md §1.
 One step (``module_step``): ``build_attention(method, 768, 12, causal=...)`` with ``attention_impl`` ``--impl``,
 weights and inputs in ``--dtype``, B = ``--tokens-per-step`` // N, forward + backward from an output gradient (no
 loss); causal steps unpadded, non-causal ones with the last eighth of the last sequence padded. Time: median of
-``--repeats`` steps (CUDA events on a GPU) after warm-up; peak memory above the inputs. Each point records the
-implementation the module's op ran. At each N also a baseline, causal: flash-linear-attention's chunked linear
-attention in the softmax module's projections (``fla_baseline``), where fla-core runs (a GPU), else the reason.
+``--repeats`` steps (CUDA events on a GPU) after warm-up; peak memory above the inputs; the host's time to issue a
+step; on a GPU the same step captured whole in a CUDA graph and replayed (``graph_replay``: the step's time with the
+host out of the way, or why it cannot be captured). Each point records the implementation the module's op ran. At
+each N also a baseline, causal: flash-linear-attention's chunked linear attention in the softmax module's projections
+(``fla_baseline``), where fla-core runs (a GPU), else the reason.
 """
 import argparse
 import json
@@ -25,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from linattn.ops.impls import IMPLS, implementation_for
-from linattn_tools.benchmark import fla_baseline, flops, measure
+from linattn_tools.benchmark import fla_baseline, flops, graph_replay, measure
 from linattn_tools.benchmark.module_step import build, module_step_inputs, step
 
 from .cli import write_json
@@ -42,8 +44,9 @@ FLOP_OPTS = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "lan
 
 
 def time_step(method: str, causal: bool, n: int, args) -> dict:
-    """One series at one N: median step time, peak memory and the implementation its op ran (the baseline
-    ``fla_baseline.METHOD``: fla-core and its version)."""
+    """One series at one N: median step time, host issue time, peak memory, the implementation its op ran (the
+    baseline ``fla_baseline.METHOD``: fla-core and its version) and its CUDA graph's replay time (``replay_s``; None
+    and ``replay_why`` where there is none)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     batch = max(1, args.tokens_per_step // n)
     if method == fla_baseline.METHOD:
@@ -59,10 +62,12 @@ def time_step(method: str, causal: bool, n: int, args) -> dict:
     for _ in range(args.warmup):
         run()
     times = [measure.elapsed_seconds(run, device) for _ in range(args.repeats)]
-    return {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype, "impl": impl,
-            "median_s": statistics.median(times),
-            "issue_s": statistics.median(issue_seconds(run, device) for _ in range(args.repeats)),
-            "peak_bytes": measure.peak_memory_bytes(run, device)}
+    row = {"method": method, "causal": causal, "n": n, "batch": batch, "dtype": args.dtype, "impl": impl,
+           "median_s": statistics.median(times),
+           "issue_s": statistics.median(issue_seconds(run, device) for _ in range(args.repeats)),
+           "peak_bytes": measure.peak_memory_bytes(run, device)}
+    row["replay_s"], row["replay_why"] = graph_replay.replay_seconds(run, device, args.repeats)
+    return row
 
 
 def issue_seconds(run, device: torch.device) -> float:
@@ -92,13 +97,18 @@ def measure_point(args) -> dict:
                 work = flops.training_flops(method, row["n"], row["batch"], 12, 64, causal=causal, opts=FLOP_OPTS)
                 note = f", SDPA {work / row['median_s'] / 1e12:.3f} TFLOP/s"
             print(f"{args.dtype} N={args.n} B={row['batch']} {method}{' causal' if causal else ''}: "
-                  f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}), "
+                  f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}, {_replay(row)}), "
                   f"peak {row['peak_bytes'] / 2**20:.1f} MiB, "
                   f"implementation {row['impl']}{note}", flush=True)
     if why is not None:
         print(f"{fla_baseline.METHOD} causal left out: {why}", flush=True)
     return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows,
             "left_out": {} if why is None else {fla_baseline.METHOD: why}}
+
+
+def _replay(row: dict) -> str:
+    """A point's CUDA graph replay for its printed line."""
+    return f"replayed in {row['replay_s'] * 1e3:.2f}" if row.get("replay_s") else f"no replay: {row['replay_why']}"
 
 
 def render(results: List[dict], floors: Optional[dict] = None) -> str:
@@ -134,6 +144,7 @@ def render(results: List[dict], floors: Optional[dict] = None) -> str:
             lines.append(f"| {method}{' causal' if causal else ''} | " + " | ".join(cells) + f" | {worst} |")
         lines += _baseline_lines(rows, dtype, sizes)
         lines.append("")
+        lines += _replay_lines(rows, dtype, sizes)
     machines = sorted({f"{res['machine'].get('gpu', res['machine']['cpu'])}, torch {res['machine']['torch']}"
                        for res in results})
     return "\n".join(lines + ["Measured on: " + "; ".join(machines)])
@@ -147,6 +158,23 @@ def _baseline_lines(rows: List[dict], dtype: str, sizes: List[int]) -> List[str]
     cells = [f"{m['median_s'] / base['median_s']:.2f}× `{m['impl']}`" if m and base else "–"
              for m, base in zip(mine, (_find(rows, dtype, n, BASELINE, True) for n in sizes))]
     return [f"| {fla_baseline.METHOD} causal (baseline) | " + " | ".join(cells) + " | – |"]
+
+
+def _replay_lines(rows: List[dict], dtype: str, sizes: List[int]) -> List[str]:
+    """Where points were replayed from a CUDA graph (``graph_replay``): each series' eager step time over its
+    replay's (what capturing the step would gain) and its host issue time over its eager time (near 1: the host binds
+    the step), or why the step could not be captured."""
+    series = [(BASELINE, False), (BASELINE, True), *TARGETS]
+    found = {(m, c): [_find(rows, dtype, n, m, c) for n in sizes] for m, c in series}
+    if not any(r and r.get("replay_s") for cells in found.values() for r in cells):
+        return []
+    lines = [f"CUDA graph replay ({dtype}): eager step / its replay (issue time / eager step)", "",
+             "| series | " + " | ".join(f"N={n}" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for (method, causal), cells in found.items():
+        text = ["–" if r is None else f"{r['median_s'] / r['replay_s']:.2f}× ({r['issue_s'] / r['median_s']:.2f})"
+                if r.get("replay_s") else f"not captured: {r.get('replay_why')}" for r in cells]
+        lines.append(f"| {method}{' causal' if causal else ''} | " + " | ".join(text) + " |")
+    return lines + [""]
 
 
 def _find(rows, dtype, n, method, causal) -> Optional[dict]:

@@ -253,6 +253,44 @@ def test_targets_table_compares_each_series_with_softmax_of_its_causality():
     text = render([{"machine": {"cpu": "x", "gpu": "H100", "torch": "2.11"}, "rows": rows}], floors)
     assert "| lln | 0.50× ✓ (≤0.6) `fused`, floor 40% |" in text and "`fused`, floor 75% |" in text
     assert "| lln_diag | 0.90× ✗ (≤0.8) `parallel` |" in text  # a parallel step is not judged by the fused floor
+    assert "CUDA graph replay" not in text  # no point was replayed (a CPU run, or points measured before)
+
+
+def test_targets_table_says_what_a_cuda_graph_replay_gains_or_why_a_step_was_not_captured():
+    from linattn_tools.benchmark.targets import render
+
+    def row(method, causal, ms, issue_ms, replay_ms, why=None):
+        return {"method": method, "causal": causal, "n": 2048, "batch": 16, "dtype": "float16", "impl": "fused",
+                "median_s": ms / 1e3, "issue_s": issue_ms / 1e3, "peak_bytes": 1,
+                "replay_s": None if replay_ms is None else replay_ms / 1e3, "replay_why": why}
+    rows = [row("softmax", True, 2.0, 0.5, 1.6), row("lln", True, 3.0, 2.7, 2.0),
+            row("lavo", True, 2.5, 1.0, None, "RuntimeError: operation not permitted when stream is capturing")]
+    text = render([{"machine": {"cpu": "x", "gpu": "H100", "torch": "2.11"}, "rows": rows}])
+    assert "CUDA graph replay (float16): eager step / its replay (issue time / eager step)" in text
+    assert "| softmax causal | 1.25× (0.25) |" in text and "| lln causal | 1.50× (0.90) |" in text
+    assert "| lavo causal | not captured: RuntimeError: operation not permitted when stream is capturing |" in text
+    assert "| lln | – |" in text
+
+
+def test_a_step_off_cuda_is_not_replayed_and_says_why(monkeypatch):
+    """The targets' points carry the replay's fields on every device; off CUDA no capture is tried."""
+    from argparse import Namespace
+
+    from linattn_tools.benchmark import graph_replay, targets
+
+    calls = []
+    assert graph_replay.replay_seconds(lambda: calls.append(1), torch.device("cpu"), 3) == (
+        None, "CUDA graphs need a CUDA device; this step ran on cpu")
+    assert calls == []
+    monkeypatch.setattr(targets, "build", lambda *a, **k: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(targets, "implementation_for", lambda *a, **k: "parallel")
+    monkeypatch.setattr(targets, "step", lambda module, x, mask: calls.append(x.shape))
+    monkeypatch.setattr(targets, "module_step_inputs", lambda n, **k: (torch.zeros(n, k["batch"], 1), None))
+    monkeypatch.setattr(torch.nn.Linear, "head_dim", 8, raising=False)
+    args = Namespace(device="cpu", dtype="float32", tokens_per_step=64, impl="parallel", warmup=1, repeats=2)
+    got = targets.time_step("lln", True, 32, args)
+    assert got["replay_s"] is None and got["replay_why"].startswith("CUDA graphs need a CUDA device")
+    assert got["batch"] == 2 and len(calls) == 1 + 2 + 2 + 1  # warm-up, timed, issue, peak memory: no replay
 
 
 @pytest.mark.extended
