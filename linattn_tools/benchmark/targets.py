@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -43,10 +43,9 @@ BASELINE = "softmax"  # the module every series is compared with (same causality
 FLOP_OPTS = {"chunk_size": 64, "block_size": 64, "window": 64, "bases": 64, "landmarks": 128}
 
 
-def time_step(method: str, causal: bool, n: int, args) -> dict:
-    """One series at one N: median step time, host issue time, peak memory, the implementation its op ran (the
-    baseline ``fla_baseline.METHOD``: fla-core and its version) and its CUDA graph's replay time (``replay_s``; None
-    and ``replay_why`` where there is none)."""
+def time_step(method: str, causal: bool, n: int, args) -> Tuple[dict, Callable[[], None]]:
+    """One series at one N: (its row: median step time, host issue time, peak memory, the implementation its op ran
+    (the baseline ``fla_baseline.METHOD``: fla-core and its version); its step, for ``replay``)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     batch = max(1, args.tokens_per_step // n)
     if method == fla_baseline.METHOD:
@@ -66,8 +65,13 @@ def time_step(method: str, causal: bool, n: int, args) -> dict:
            "median_s": statistics.median(times),
            "issue_s": statistics.median(issue_seconds(run, device) for _ in range(args.repeats)),
            "peak_bytes": measure.peak_memory_bytes(run, device)}
-    row["replay_s"], row["replay_why"] = graph_replay.replay_seconds(run, device, args.repeats)
-    return row
+    return row, run
+
+
+def replay(row: dict, run: Callable[[], None], args) -> None:
+    """Into ``row``: its step's CUDA graph replay time (``replay_s``; None and ``replay_why`` where there is none).
+    After every eager measure of a point: a capture that fails cannot spoil them."""
+    row["replay_s"], row["replay_why"] = graph_replay.replay_seconds(run, torch.device(args.device), args.repeats)
 
 
 def issue_seconds(run, device: torch.device) -> float:
@@ -86,29 +90,37 @@ def measure_point(args) -> dict:
     """Every series of ``TARGETS`` and the softmax module of each causality at one N, and the baseline
     ``fla_baseline.METHOD`` (causal) where fla-core runs (``left_out``: else why not)."""
     why = fla_baseline.unavailable(args.device)
-    rows = []
+    rows, runs = [], []
     for causal in (False, True):
         baselines = [fla_baseline.METHOD] if causal and why is None else []
         for method in [BASELINE] + [m for m, c in TARGETS if c == causal] + baselines:
-            row = time_step(method, causal, args.n, args)
+            row, run = time_step(method, causal, args.n, args)
             rows.append(row)
+            runs.append(run)
             note = ""
             if method == BASELINE:
                 work = flops.training_flops(method, row["n"], row["batch"], 12, 64, causal=causal, opts=FLOP_OPTS)
                 note = f", SDPA {work / row['median_s'] / 1e12:.3f} TFLOP/s"
             print(f"{args.dtype} N={args.n} B={row['batch']} {method}{' causal' if causal else ''}: "
-                  f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}, {_replay(row)}), "
+                  f"{row['median_s'] * 1e3:.2f} ms (issued in {row['issue_s'] * 1e3:.2f}), "
                   f"peak {row['peak_bytes'] / 2**20:.1f} MiB, "
                   f"implementation {row['impl']}{note}", flush=True)
     if why is not None:
         print(f"{fla_baseline.METHOD} causal left out: {why}", flush=True)
+    for row, run in zip(rows, runs):
+        replay(row, run, args)
+        if torch.device(args.device).type == "cuda":
+            print(f"{args.dtype} N={args.n} {row['method']}{' causal' if row['causal'] else ''}: {_replay(row)}",
+                  flush=True)
+    if rows and torch.device(args.device).type != "cuda":
+        print(_replay(rows[0]), flush=True)
     return {"machine": measure.machine_info(torch.device(args.device)), "rows": rows,
             "left_out": {} if why is None else {fla_baseline.METHOD: why}}
 
 
 def _replay(row: dict) -> str:
     """A point's CUDA graph replay for its printed line."""
-    return f"replayed in {row['replay_s'] * 1e3:.2f}" if row.get("replay_s") else f"no replay: {row['replay_why']}"
+    return f"replayed in {row['replay_s'] * 1e3:.2f} ms" if row.get("replay_s") else f"no replay: {row['replay_why']}"
 
 
 def render(results: List[dict], floors: Optional[dict] = None) -> str:

@@ -288,9 +288,11 @@ def test_a_step_off_cuda_is_not_replayed_and_says_why(monkeypatch):
     monkeypatch.setattr(targets, "module_step_inputs", lambda n, **k: (torch.zeros(n, k["batch"], 1), None))
     monkeypatch.setattr(torch.nn.Linear, "head_dim", 8, raising=False)
     args = Namespace(device="cpu", dtype="float32", tokens_per_step=64, impl="parallel", warmup=1, repeats=2)
-    got = targets.time_step("lln", True, 32, args)
+    got, run = targets.time_step("lln", True, 32, args)
+    assert got["batch"] == 2 and len(calls) == 1 + 2 + 2 + 1  # warm-up, timed, issue, peak memory
+    targets.replay(got, run, args)
     assert got["replay_s"] is None and got["replay_why"].startswith("CUDA graphs need a CUDA device")
-    assert got["batch"] == 2 and len(calls) == 1 + 2 + 2 + 1  # warm-up, timed, issue, peak memory: no replay
+    assert len(calls) == 6  # no capture tried
 
 
 @pytest.mark.extended
