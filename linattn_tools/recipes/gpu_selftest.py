@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-loss-scale", type=float, default=1.0,
                         help="floor of the fp16 loss scale after warm-up (fairseq starts at 128)")
     parser.add_argument("--methods", nargs="+", default=[], choices=sorted(METHODS), metavar="METHOD",
-                        help=f"the ops stage checks only these methods ({', '.join(sorted(METHODS))}; default all)")
+                        help=f"the ops and compile stages check only these methods ({', '.join(sorted(METHODS))}; "
+                             "default all)")
     return parser.parse_args(argv)
 
 

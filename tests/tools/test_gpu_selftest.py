@@ -275,6 +275,19 @@ def test_compile_stage_runs_fused_cases_in_half_precision_or_says_why_not(monkey
     assert stage.status == "SKIP" and len(built) == 1
 
 
+def test_compile_stage_checks_only_the_methods_asked_for(monkeypatch):
+    seen = []
+    monkeypatch.setattr(compiled, "check_case", lambda stage, *case: seen.append(case))
+    monkeypatch.setattr(compiled, "compile_jobs", lambda count: 1)
+    stage = compiled.compile_stage(core.Settings("cuda", Path("."), methods=("lavo",)))
+    assert sorted(seen) == [("lavo", role, "cuda", impl) for role in ("decoder", "encoder")
+                            for impl in ("fused", "parallel")]
+    assert stage.note.startswith("lavo (--methods), encoder and decoder")
+    seen.clear()
+    compiled.compile_stage(core.Settings("cuda", Path(".")))
+    assert len(seen) == len(compiled.cases(False)) == 17
+
+
 def test_report_and_summary_pass_only_when_no_check_failed(tmp_path):
     ok, skip, info = core.Stage("ops"), core.Stage("multi_gpu"), core.Stage("speed")
     ok.judge("lln encoder looped eval float32", True, 1e-6, "<= 2e-04")

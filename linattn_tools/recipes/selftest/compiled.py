@@ -169,9 +169,11 @@ def _case_rows(method: str, role: str, impl: str, device: str) -> List[Row]:
 
 
 def compile_stage(settings: Settings) -> Stage:
-    todo = cases(settings.quick, settings.device)
+    todo = [case for case in cases(settings.quick, settings.device)
+            if not settings.methods or case[0] in settings.methods]
     jobs = compile_jobs(len(todo))
-    stage = Stage("compile", note=("causal LLN only (--quick)" if settings.quick else "every method, encoder and "
+    every = f"{', '.join(settings.methods)} (--methods)" if settings.methods else "every method"
+    stage = Stage("compile", note=("causal LLN only (--quick)" if settings.quick else f"{every}, encoder and "
                                    "decoder") + ", parallel implementation in float32, fused in half precision"
                   + (f"; {jobs} cases at once" if jobs > 1 else ""))
     if jobs == 1:

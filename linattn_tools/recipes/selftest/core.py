@@ -33,7 +33,7 @@ class Settings:
     min_loss_scale: float = 1.0
     bf16: bool = True  # native bfloat16 on the device (the env stage decides)
     gpus: int = 0
-    methods: tuple = ()  # the ops stage's methods (registry names); empty: every method
+    methods: tuple = ()  # the ops and compile stages' methods (registry names); empty: every method
 
     @property
     def cuda(self) -> bool:
