@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared command for a lent GPU's few minutes (the device kit in .device-kit, docs/first_gpu_run.md §4): the
+# One prepared command for a lent GPU's few minutes (the device kit in .device-kit, docs/first_gpu_run.md §5): the
 # set-up, the targets benchmark with the launch tuner and the profiler, the compile stage's LLN cases (parallel and
 # fused) on real Triton; every file in one tarball and the two tables beside it in $OUT.
 set -uo pipefail
