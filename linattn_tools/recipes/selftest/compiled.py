@@ -20,7 +20,7 @@ from typing import List
 from linattn.tolerances import tolerance
 
 from .core import Row, Settings, Stage
-from .ops import SIZES, SMALL, rel_err
+from .ops import SIZES, SMALL, fused_refusal, rel_err
 
 ROLES = ("encoder", "decoder")
 QUICK_CASES = (("lln", "decoder", "parallel"), ("lln", "decoder", "fused"))
@@ -93,21 +93,6 @@ def _seconds(fn, device: str) -> float:
     return sum(elapsed_seconds(fn, torch.device(device)) for _ in range(TIMED_STEPS)) / TIMED_STEPS
 
 
-def fused_refusal(method: str, device: str, dtype: str):
-    """Why ``fused`` cannot run ``method``'s op on ``device`` in ``dtype`` (``impls.implementation_for``'s
-    reasons), or None where it can."""
-    import torch
-
-    from linattn.ops.impls import ImplementationError, implementation_for
-
-    probe = torch.empty(1, 1, 1, SIZES[False]["head_dim"], dtype=getattr(torch, dtype), device=device)
-    try:
-        implementation_for(method, "fused", probe)
-    except ImplementationError as err:
-        return "; ".join(err.reasons)
-    return None
-
-
 def check_case(stage: Stage, method: str, role: str, device: str, impl: str = "parallel") -> None:
     """The rows of one (method, role, impl): values, graphs, time; a fused case that cannot run here, one SKIP."""
     import torch
@@ -119,7 +104,7 @@ def check_case(stage: Stage, method: str, role: str, device: str, impl: str = "p
     dtype = case_dtype(impl, device)
     name = f"{method} {role}" if impl == "parallel" else f"{method} {role} {impl} {dtype}"
     if impl == "fused":
-        why = fused_refusal(method, device, dtype)
+        why = fused_refusal(method, device, dtype, SIZES[False]["head_dim"])
         if why is not None:
             stage.add(f"{name} compiles", "SKIP", detail=why[:300])
             return

@@ -248,8 +248,6 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
     """Every case in every impl and dtype on ``settings.device`` (``only``: a filter on the case names)."""
     import torch
 
-    from linattn.ops.impls import ImplementationError, implementation_for
-
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     stage = Stage("ops", note="tolerances: linattn/tolerances.py (relative error; gradients x2)")
@@ -264,14 +262,24 @@ def ops_stage(settings: Settings, only: Optional[Callable[[str], bool]] = None) 
             if impl != "fused":
                 check_case(stage, name, module, settings, DTYPES, impl, sizes, dropout_module=dropped[name])
                 continue
-            probe = torch.empty(1, 1, 1, sizes["head_dim"], dtype=torch.float16, device=settings.device)
-            try:
-                ran = implementation_for(module.method, impl, probe)
-                why = f"{ran} runs: no fused kernel for this op"
-            except ImplementationError as err:  # e.g. no Triton, or the CPU without Triton's interpreter
-                ran, why = None, "; ".join(err.reasons)
-            if ran == "fused":
+            why = fused_refusal(module.method, settings.device, "float16", sizes["head_dim"])
+            if why is None:
                 check_case(stage, name, module, settings, FUSED_DTYPES, impl, sizes, twin=twins[name])
             else:
                 stage.add(f"{name} fused", "SKIP", detail=why)
     return stage
+
+
+def fused_refusal(method: str, device: str, dtype: str, head_dim: int) -> Optional[str]:
+    """Why ``fused`` does not run ``method``'s op on ``device`` in ``dtype`` at ``head_dim`` (``impls``' reasons: no
+    Triton, the CPU without Triton's interpreter; or the implementation it runs instead), or None where it does."""
+    import torch
+
+    from linattn.ops.impls import ImplementationError, implementation_for
+
+    probe = torch.empty(1, 1, 1, head_dim, dtype=getattr(torch, dtype), device=device)
+    try:
+        ran = implementation_for(method, "fused", probe)
+    except ImplementationError as err:
+        return "; ".join(err.reasons)
+    return None if ran == "fused" else f"{ran} runs: no fused kernel for this op"
