@@ -68,7 +68,7 @@ REGISTER_GRANULE = 256  # registers are allocated to a warp in units of 256 (8 a
 HALF_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "dx_ptr", "bases_ptr",
                  "dq_ptr", "dk_ptr", "dv_ptr", "aq_ptr", "ak_ptr", "av_ptr", "half_ptr")
 FLOATS, MASKS, INDICES = ("scale", "sm_scale", "s", "gamma"), ("mask_ptr", "valid_ptr"), ("order_ptr",)
-DOUBLES = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr", "pending_ptr")  # the moment matching's
+DOUBLES = ("first_ptr", "second_ptr", "stats_ptr", "moments_ptr", "pending_ptr", "table_ptr")  # the moment matching's
 LONGS = ("batches_ptr",)  # the moment matching's
 # Bytes a thread still spills at LAUNCH's settings (fairseq's layout), per head size, the most of fp16 and bf16 with
 # Triton 3.6 and 3.9: the limit the extended tier holds them to, which only shrinks (docs/design.md §1.3.1; the
@@ -94,6 +94,8 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
     common = dict(HALF_TY=half, EMULATE=False, HAS_MASK=True)
     window = dict(BW=64, HALF_TY=half, EMULATE=False, CAUSAL=True, ORDERED=False)
     own_window = {**window, "CAUSAL": False, "ORDERED": True}  # an encoder's padded batch: rows through the order
+    line = dict(A=0.15, B=-0.35, MAX_SCALE=8.0, MOMENTS=True, MODE=moment_match.LINE.value, ALPHA=0.0, BETA=0.0,
+                TBLOCK=1, BLOCK=16)  # the moment matching's default mode
     lavo_kernels = [(lavo._local, "lavo_local"), (lavo._memory, "lavo_memory"),
                     (lavo_backward._memory_grad, "lavo_memory_grad"), (lavo_backward._bases_grad, "lavo_bases_grad"),
                     (lavo_backward._local_query_grad, "lavo_local_query_grad"),
@@ -115,10 +117,10 @@ def kernels(half) -> List[Tuple[object, str, dict]]:
             (lln_noncausal_backward._rows_grad, "lln_noncausal_rows_grad",
              dict(BLOCK=lln_noncausal.ROWS, HAS_MASK=True)),
             (token_moments._row_moments, "lln_token_moments", dict(BLOCK=token_moments.ROWS, HAS_MASK=True)),
-            (moment_match._scales, "lln_moment_scales", dict(A=0.15, B=-0.35, MAX_SCALE=8.0, MOMENTS=True, FOLD=False,
-                                                             PENDING=False, MOMENTUM=0.0, BATCH=False, BLOCK=16)),
-            (moment_match._scales, "lln_moment_fold", dict(A=0.15, B=-0.35, MAX_SCALE=8.0, MOMENTS=True, FOLD=True,
-                                                           PENDING=False, MOMENTUM=0.99, BATCH=True, BLOCK=16)),
+            (moment_match._scales, "lln_moment_scales", dict(FOLD=False, PENDING=False, MOMENTUM=0.0, BATCH=False,
+                                                             **line)),
+            (moment_match._scales, "lln_moment_fold", dict(FOLD=True, PENDING=False, MOMENTUM=0.99, BATCH=True,
+                                                           **line)),
             (block_softmax._forward, "block_softmax", dict(BB=64, CAUSAL=True, AVERAGE=True, **common)),
             (block_softmax._backward, "block_softmax_backward", dict(BB=64, CAUSAL=True, **common)),
             (nystrom._state, "nystrom_state", dict(BL=128, KEYS=True, **common)),

@@ -144,6 +144,8 @@ class MomentMatcher(nn.Module):
         lln_alpha_beta(1.0, 1.0, self.a, self.b, self.max_scale)  # validates a, b
         self.seq_len = check_positive_int("seq_len", seq_len)
         self.table = exact_moment_table(head_dim, seq_len) if mode == "exact" else None
+        if self.table is not None:  # as the fused matcher's kernel reads it, moved with the module (kept float64)
+            self.register_buffer("exact_table", self.table.stacked(), persistent=False)
         groups = self.num_heads if self.per_head else 1
         if stats == "ema":
             self.register_buffer("ema_var_q", torch.ones(groups))
@@ -168,6 +170,8 @@ class MomentMatcher(nn.Module):
             if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
                 setattr(self, name, buf.float())
         self.pending_moments = self.pending_moments.to(_F64)  # sums over many tokens: float64
+        if self.table is not None and self.exact_table.dtype != _F64:  # made anew, not rounded back
+            self.exact_table = self.table.stacked(self.exact_table.device)
         return self
 
     def train(self, mode: bool = True):
@@ -208,10 +212,8 @@ class MomentMatcher(nn.Module):
 
     def _kernels(self, like: Tensor):
         """The file of LLN's implementation for q like ``like`` where the matching after the token sums runs in its
-        one-program kernels (its ``lln_scales`` and ``lln_scales_recorded``: ``fused``'s), for modes with the line
-        a x + b; else None."""
-        if self.mode not in ("paper", "fit"):
-            return None
+        one-program kernels (its ``lln_scales`` and ``lln_scales_recorded``: ``fused``'s), in every mode; else
+        None."""
         implementation = LLN_IMPLEMENTATIONS[implementation_for(LLN_IMPLEMENTATIONS, self.impl, like)]
         return implementation if hasattr(implementation, "lln_scales") else None
 
@@ -225,13 +227,14 @@ class MomentMatcher(nn.Module):
             var = torch.stack([self.ema_var_q, self.ema_var_k]) if moments is None else self._variances(moments)[0]
             return self._match(var, like)
         first, second = (self.ema_var_q, self.ema_var_k) if moments is None else (moments, moments)
+        mode = (self.fixed_alpha or 0.0, self.fixed_beta or 0.0, self.exact_table if self.table is not None else None)
         if record is None:
-            stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, compute_dtype(like))
+            stats, ab = kernels.lln_scales(first, second, self.a, self.b, self.max_scale, *mode, compute_dtype(like))
         else:
             batches = self.running_batches if self.stats == "batch" else None
             stats, ab = kernels.lln_scales_recorded(
                 first, second, record[0], *self._folded_into(), batches, self.pending_moments if record[1] else None,
-                self.a, self.b, self.max_scale, self.ema_momentum, compute_dtype(like))
+                self.a, self.b, self.max_scale, *mode, self.ema_momentum, compute_dtype(like))
         self._keep_last(stats.unbind(0))
         return ab[0].view(1, -1, 1, 1), ab[1].view(1, -1, 1, 1)
 

@@ -196,6 +196,10 @@ class ExactMomentTable:
             self._on_device[device] = (self.log_s2.to(device), self.log_var.to(device))
         return self._on_device[device]
 
+    def stacked(self, device=None) -> Tensor:
+        """The table as the fused matcher's kernel reads it: (2, T) float64 on ``device``, log s² and log var."""
+        return torch.stack([self.log_s2, self.log_var]).to(device)
+
     @staticmethod
     def _interp(x: Tensor, xs: Tensor, ys: Tensor) -> Tensor:
         """Piecewise-linear y(x) through (xs, ys), extended by the end segments."""

@@ -95,20 +95,23 @@ def token_moments(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> T
     return rows(q, k.to(q.dtype), key_padding_mask)
 
 
-def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
-               ) -> Tuple[Tensor, Tensor]:
+def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, fixed_alpha: float,
+               fixed_beta: float, table: Optional[Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """The moment matcher's statistics (5,G) float64 (sigma q, sigma k, alpha, beta, tau) and alpha, beta (2,G) in
     ``dtype``, from moments (5,G) or the running variances ``first``, ``second`` (G,), in one launch
-    (``triton/moment_match.py``)."""
+    (``triton/moment_match.py``): alpha, beta fixed where ``fixed_alpha`` > 0 (mode ``off``), from ``table`` (2,T)
+    (``exact``: log s² and log var(log P_LLN)) where given, else from the line a x + b."""
     from ..triton.moment_match import lln_scales as scales
-    return scales(first, second, a, b, max_scale, dtype)
+    return scales(first, second, a, b, max_scale, fixed_alpha, fixed_beta, table, dtype)
 
 
 def lln_scales_recorded(first: Tensor, second: Tensor, moments: Tensor, buf_q: Tensor, buf_k: Tensor,
                         batches: Optional[Tensor], pending: Optional[Tensor], a: float, b: float, max_scale: float,
-                        momentum: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                        fixed_alpha: float, fixed_beta: float, table: Optional[Tensor], momentum: float,
+                        dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """``lln_scales`` and, in the same launch, a training forward's moments (5,G) recorded: added to ``pending``
     if given, else folded into the running variances ``buf_q``, ``buf_k`` (``batches``: the running statistics'
     count, else an EMA of ``momentum``), which the scales read as they were before (``triton/moment_match.py``)."""
     from ..triton.moment_match import lln_scales_recorded as recorded
-    return recorded(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum, dtype)
+    return recorded(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, fixed_alpha, fixed_beta,
+                    table, momentum, dtype)

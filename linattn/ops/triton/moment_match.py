@@ -2,8 +2,10 @@
 ``linattn::lln_scales`` (variances -> sigma, alpha, beta, tau) and, a training forward, ``linattn::lln_scales_recorded``
 (the same, and the batch's moments folded into the running statistics, or added to the pending ones, in the same
 program). The same float64 arithmetic as ``ops/moment_matching.py`` and the moment matcher's ``_variances``,
-``_match`` and ``_fold``, whose two dozen launches of (2, G) tensors each a training forward ran. Modes ``paper``
-and ``fit`` (a line a x + b); ``exact`` and ``off`` stay with the matcher's own code.
+``_match`` and ``_fold``, whose two dozen launches of (2, G) tensors each a training forward ran (five dozen in the
+modes ``exact`` and ``off``). Every mode: the line a x + b (``paper``, ``fit``), the measured table in its place
+(``exact``: ``table``, log s² and log var(log P_LLN) stacked (2, T)) and fixed alpha, beta (``off``, whose tau still
+follows the line).
 """
 from typing import Optional, Tuple
 
@@ -17,6 +19,7 @@ from .common import launch, next_power_of_2
 from .kernel_op import kernel_op
 
 MIN_SIGMA, MIN_S2 = tl.constexpr(MIN_SIGMA), tl.constexpr(_MIN_S2)  # read by the kernels
+LINE, TABLE, FIXED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernels' MODE
 
 
 @triton.jit
@@ -52,11 +55,26 @@ def _variances(moments_ptr, g, ok, G):
 
 
 @triton.jit
-def _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, g, ok, G, A: tl.constexpr, B: tl.constexpr,
-                  MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr):
+def _interp(x, xs_ptr, ys_ptr, T, TBLOCK: tl.constexpr):
+    """Piecewise-linear y(x) through the T points (xs, ys) (xs ascending), extended by the end segments: the
+    segment i with xs[i - 1] < x <= xs[i] (``torch.searchsorted``'s), i in [1, T - 1]."""
+    t = tl.arange(0, TBLOCK)
+    xs = tl.load(xs_ptr + t, mask=t < T, other=float("inf"))
+    i = tl.sum(tl.where(xs[None, :] < x[:, None], 1, 0), 1)
+    i = tl.minimum(tl.maximum(i, 1), T - 1)
+    x0, x1 = tl.load(xs_ptr + i - 1), tl.load(xs_ptr + i)
+    y0, y1 = tl.load(ys_ptr + i - 1), tl.load(ys_ptr + i)
+    return y0 + (x - x0) * (y1 - y0) / _clamp_min(x1 - x0, _f64(1e-12))
+
+
+@triton.jit
+def _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, table_ptr, T, g, ok, G, A: tl.constexpr,
+                  B: tl.constexpr, MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr, MODE: tl.constexpr,
+                  ALPHA: tl.constexpr, BETA: tl.constexpr, TBLOCK: tl.constexpr):
     """stats (5, G) float64: sigma q, sigma k, alpha, beta, tau; ab (2, G) in its dtype: alpha, beta, of groups g.
     The variances are those of moments (5, G) at ``first_ptr`` (MOMENTS) or the buffers var q, var k (G,) at
-    ``first_ptr``, ``second_ptr``."""
+    ``first_ptr``, ``second_ptr``. MODE: ``LINE`` (a x + b), ``TABLE`` (the (2, T) table at ``table_ptr``: log s²,
+    log var(log P_LLN)) or ``FIXED`` (alpha, beta = ALPHA, BETA; tau on the line)."""
     if MOMENTS:
         vq, vk, _ = _variances(first_ptr, g, ok, G)
     else:
@@ -65,10 +83,23 @@ def _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, g, ok, G, A: tl.cons
     a, b, max_scale = _f64(A), _f64(B), _f64(MAX_SCALE)
     sq = _clamp_min(tl.sqrt(vq), _f64(MIN_SIGMA))
     sk = _clamp_min(tl.sqrt(vk), _f64(MIN_SIGMA))
-    s = tl.sqrt(_clamp_min(((sq * sq) * (sk * sk) - b) / _f64(2 * A), _f64(MIN_S2)))  # Prop. 4.1 with eq. 10
-    alpha = _clamp_max(s / sq, max_scale)
-    beta = _clamp_max(s / sk, max_scale)
-    var_lln = a * ((alpha * alpha) * (sq * sq) + (beta * beta) * (sk * sk)) + b  # eq. 11
+    if MODE == FIXED:
+        alpha = tl.full(sq.shape, ALPHA, tl.float64)
+        beta = tl.full(sq.shape, BETA, tl.float64)
+    else:
+        if MODE == TABLE:  # var(log P_LLN) = sigma_q² sigma_k² (eq. 5) on the table, inverted
+            target = _clamp_min((sq * sq) * (sk * sk), _f64(1e-300))
+            s2 = tl.exp(_interp(tl.log(target), table_ptr + T, table_ptr, T, TBLOCK))
+        else:
+            s2 = ((sq * sq) * (sk * sk) - b) / _f64(2 * A)  # Prop. 4.1 with eq. 10
+        s = tl.sqrt(_clamp_min(s2, _f64(MIN_S2)))
+        alpha = _clamp_max(s / sq, max_scale)
+        beta = _clamp_max(s / sk, max_scale)
+    x = (alpha * alpha) * (sq * sq) + (beta * beta) * (sk * sk)
+    if MODE == TABLE:  # the measured curve in place of the line, at s² = x / 2
+        var_lln = tl.exp(_interp(tl.log(_clamp_min(x / 2, _f64(MIN_S2))), table_ptr, table_ptr + T, T, TBLOCK))
+    else:
+        var_lln = a * x + b  # eq. 11
     tau = 1.0 / tl.sqrt(_clamp_min(var_lln, _f64(1e-12)))
     tl.store(stats_ptr + g, sq, mask=ok)
     tl.store(stats_ptr + G + g, sk, mask=ok)
@@ -98,15 +129,17 @@ def _fold_groups(moments_ptr, bq_ptr, bk_ptr, batches_ptr, g, ok, G, MOMENTUM: t
 
 
 @triton.jit
-def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, moments_ptr, bq_ptr, bk_ptr, batches_ptr, pending_ptr, G,
-            A: tl.constexpr, B: tl.constexpr, MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr, FOLD: tl.constexpr,
+def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, moments_ptr, bq_ptr, bk_ptr, batches_ptr, pending_ptr,
+            table_ptr, G, T, A: tl.constexpr, B: tl.constexpr, MAX_SCALE: tl.constexpr, MOMENTS: tl.constexpr,
+            MODE: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, TBLOCK: tl.constexpr, FOLD: tl.constexpr,
             PENDING: tl.constexpr, MOMENTUM: tl.constexpr, BATCH: tl.constexpr, BLOCK: tl.constexpr):
     """``_scale_groups`` of every group, then (FOLD) the moments (5, G) at ``moments_ptr`` folded into the buffers
     (``_fold_groups``), or (PENDING) added to the pending moments (5, G) float64 at ``pending_ptr``. The scales read
     the buffers before the fold writes them: the same lanes load and store each group."""
     g = tl.arange(0, BLOCK)
     ok = g < G
-    _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, g, ok, G, A, B, MAX_SCALE, MOMENTS)
+    _scale_groups(first_ptr, second_ptr, stats_ptr, ab_ptr, table_ptr, T, g, ok, G, A, B, MAX_SCALE, MOMENTS, MODE,
+                  ALPHA, BETA, TBLOCK)
     if FOLD:
         _fold_groups(moments_ptr, bq_ptr, bk_ptr, batches_ptr, g, ok, G, MOMENTUM, BATCH)
     if PENDING:
@@ -116,46 +149,56 @@ def _scales(first_ptr, second_ptr, stats_ptr, ab_ptr, moments_ptr, bq_ptr, bk_pt
 
 
 @kernel_op("lln_scales")
-def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, dtype: torch.dtype
-               ) -> Tuple[Tensor, Tensor]:
+def lln_scales(first: Tensor, second: Tensor, a: float, b: float, max_scale: float, fixed_alpha: float,
+               fixed_beta: float, table: Optional[Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """Moments (5, G) float64 (``second`` unused) or the buffers var q, var k (G,) -> stats (5, G) float64 (sigma q,
-    sigma k, alpha, beta, tau) and (alpha, beta) (2, G) in ``dtype``."""
+    sigma k, alpha, beta, tau) and (alpha, beta) (2, G) in ``dtype``. The mode: ``fixed_alpha``, ``fixed_beta``
+    > 0 (``off``), else ``table`` (2, T) float64 if given (``exact``), else the line a x + b."""
     stats, ab = _empty(first, dtype)
-    _launch(first, second, stats, ab, None, None, None, None, None, a, b, max_scale, 0.0)
+    _launch(first, second, stats, ab, None, None, None, None, None, a, b, max_scale, fixed_alpha, fixed_beta, table,
+            0.0)
     return stats, ab
 
 
 @torch.library.register_fake(lln_scales)
-def _(first, second, a, b, max_scale, dtype):
+def _(first, second, a, b, max_scale, fixed_alpha, fixed_beta, table, dtype):
     return _empty(first, dtype)
 
 
 @kernel_op("lln_scales_recorded", mutates_args=("buf_q", "buf_k", "batches", "pending"))
 def lln_scales_recorded(first: Tensor, second: Tensor, moments: Tensor, buf_q: Tensor, buf_k: Tensor,
                         batches: Optional[Tensor], pending: Optional[Tensor], a: float, b: float, max_scale: float,
-                        momentum: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+                        fixed_alpha: float, fixed_beta: float, table: Optional[Tensor], momentum: float,
+                        dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """``lln_scales`` of ``first``, ``second`` and, in the same program, a training forward's moments (5, G)
     float64 recorded: added to ``pending`` (5, G) float64 if given, else folded into the float32 buffers buf_q,
     buf_k (G,) in place, the running statistics with ``batches`` (the int64 count of batches folded), else an EMA
     (``momentum``). The scales read the buffers as they were before the fold."""
     stats, ab = _empty(first, dtype)
-    _launch(first, second, stats, ab, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum)
+    _launch(first, second, stats, ab, moments, buf_q, buf_k, batches, pending, a, b, max_scale, fixed_alpha,
+            fixed_beta, table, momentum)
     return stats, ab
 
 
 @torch.library.register_fake(lln_scales_recorded)
-def _(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, momentum, dtype):
+def _(first, second, moments, buf_q, buf_k, batches, pending, a, b, max_scale, fixed_alpha, fixed_beta, table,
+      momentum, dtype):
     return _empty(first, dtype)
 
 
 def _launch(first: Tensor, second: Tensor, stats: Tensor, ab: Tensor, moments: Optional[Tensor],
             buf_q: Optional[Tensor], buf_k: Optional[Tensor], batches: Optional[Tensor], pending: Optional[Tensor],
-            a: float, b: float, max_scale: float, momentum: float) -> None:
+            a: float, b: float, max_scale: float, fixed_alpha: float, fixed_beta: float, table: Optional[Tensor],
+            momentum: float) -> None:
     """``_scales`` in one program: recording ``moments`` (added to ``pending`` or folded into buf_q, buf_k) where
     they are given (LAUNCH's ``lln_moment_fold`` then, else ``lln_moment_scales``)."""
     g = first.shape[-1]
-    _scales[(1,)](first, second, stats, ab, moments, buf_q, buf_k, batches, pending, g, A=a, B=b,
-                  MAX_SCALE=max_scale, MOMENTS=first.dim() == 2, FOLD=moments is not None and pending is None,
+    fixed = fixed_alpha > 0
+    mode = (FIXED if fixed else LINE if table is None else TABLE).value
+    t = 0 if table is None or fixed else table.shape[-1]
+    _scales[(1,)](first, second, stats, ab, moments, buf_q, buf_k, batches, pending, table if t else None, g, t,
+                  A=a, B=b, MAX_SCALE=max_scale, MOMENTS=first.dim() == 2, MODE=mode, ALPHA=fixed_alpha,
+                  BETA=fixed_beta, TBLOCK=next_power_of_2(t), FOLD=moments is not None and pending is None,
                   PENDING=pending is not None, MOMENTUM=momentum, BATCH=batches is not None,
                   BLOCK=next_power_of_2(g), **launch("lln_moment_scales" if moments is None else "lln_moment_fold", 0))
 
