@@ -53,6 +53,15 @@ FUSED_MUTANTS = [
       'in_place = declares(BLOCK_IMPLEMENTATIONS, impl, "READS_REAL_FIRST")',
       "causal LLN+Diag reads its blocks through the order, its LLN part in the tokens' order: left-padded rows' "
       "padded tokens differ from the op's definition", ("tests/ops/test_block_fused.py",)),
+    M("lln-diag-fused-mix-causal-in-place", OPS + "lln_diag/autograd.py",
+      'in_place = not causal and declares(BLOCK_IMPLEMENTATIONS, block_impl, "READS_REAL_FIRST")',
+      'in_place = declares(BLOCK_IMPLEMENTATIONS, block_impl, "READS_REAL_FIRST")',
+      "causal LLN+Diag's learnable mixes read the rows in the tokens' order: left-padded rows' blocks count padding",
+      ("tests/ops/test_block_fused.py",)),
+    M("lln-diag-fused-mix-gathered", OPS + "lln_diag/autograd.py",
+      'in_place = not causal and declares(BLOCK_IMPLEMENTATIONS, block_impl, "READS_REAL_FIRST")', "in_place = False",
+      "non-causal learnable mixes gather q, k, v into the real-first order and put the output back, which their "
+      "kernels read through themselves", ("tests/ops/test_block_fused.py",)),
     M("kernel-op-cuda-only", OPS + "triton/kernel_op.py", 'DEVICES = ("CUDA", "CPU")', 'DEVICES = ("CUDA",)',
       "the ops have no CPU kernel: Triton's interpreter (the tests) cannot run them", ("tests/ops/test_lln_fused.py",)),
     M("triton-walk-grid-kept-whatever-the-settings", OPS + "triton/common.py",

@@ -62,6 +62,33 @@ def test_fused_with_wide_heads_matches_the_float64_reference(gen, op, dtype, cau
     check_against_references(gen, op, dtype, q, k, v, causal=causal, mask=padding_mask(2, 19, "left", gen))
 
 
+@pytest.mark.parametrize("mix", ["learnable_scale", "learnable_ratio"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_fused_learnable_mixes_match_the_float64_reference_with_gradients(gen, mix, causal, side):
+    """LLN+Diag's learnable mixes run fused as two ops, LLN's and the block softmax's, mixed by r, p (H, Dv) of
+    different values: the output and the gradients of q, k, v, r and p against the float64 reference's, a row with
+    whole blocks of padding. Non-causal, the rows are gathered into no real-first order (its block kernels read them
+    through it, and LLN's non-causal part does not depend on it); causal, they are."""
+    q, k, v = inputs(gen, torch.float16, 19)
+    mask = padding_mask(2, 19, side, gen)
+    mask[1] = torch.arange(19) < 11 if side == "left" else torch.arange(19) >= 5
+    r, p = (torch.rand(2, 12, generator=gen) + lo for lo in (0.2, 0.6))
+    weights = [w.requires_grad_() for w in (r, p)]
+    kw = dict(block_size=8, chunk_size=8, causal=causal, key_padding_mask=mask, mix=mix)
+    with count_dispatch() as counts:
+        out = ops.lln_diag_attention(q, k, v, ALPHA, BETA, **kw, r=r, p=p, impl="fused")
+    assert (counts.ops["gather"] > 0) == causal
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, r, p)]
+    ref = ops.lln_diag_attention_reference(*leaves[:3], ALPHA, BETA, **kw, r=leaves[3], p=leaves[4])
+    grad = torch.randn(out.shape, generator=gen)
+    want = torch.autograd.grad(ref, leaves[:3] + leaves[3:(5 if mix == "learnable_scale" else 4)], grad.double())
+    got = torch.autograd.grad(out, (q, k, v, *weights[:len(want) - 3]), grad.half())
+    assert out.dtype == torch.float16 and rel_err(out, ref) < tolerance("lln_diag", "float16")
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < tolerance("lln_diag", "float16", gradient=True)
+
+
 def check_against_references(gen, op, dtype, q, k, v, *, causal, mask):
     """The fused op's output and gradients against the float64 reference's, within ``linattn/tolerances.py``."""
     fn = block if op == "block" else lln_diag

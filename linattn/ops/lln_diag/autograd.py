@@ -57,10 +57,10 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     the learnable mixes, and learnt (gradient-requiring) alpha, beta, combine the two ops' outputs (the fused
     op folds learnt scales into q and k, which its block softmax must not see). With a key padding mask the op runs
     over each row's real-first order (``real_tokens``), so that its blocks count the row's real tokens, padding
-    anywhere: q, k, v are gathered in that order and the output put back, except in the non-causal average of an
-    implementation whose block part reads its rows through the order (``READS_REAL_FIRST``: the fused kernels; LLN's
-    non-causal part does not depend on it). ``impl`` as LLN's; ``fused`` runs where both parts' kernels take the
-    inputs (``fused.not_supported_reasons``), and is refused elsewhere.
+    anywhere: q, k, v are gathered in that order and the output put back, except where non-causal with a block part
+    that reads its rows through the order (``READS_REAL_FIRST``: the fused kernels; LLN's non-causal part does not
+    depend on it), averaged or mixed. ``impl`` as LLN's; ``fused`` runs where both parts' kernels take the inputs
+    (``fused.not_supported_reasons``), and is refused elsewhere.
     """
     learnt = any(isinstance(t, Tensor) and t.requires_grad for t in (alpha, beta))
     n = q.shape[2]
@@ -75,7 +75,7 @@ def lln_diag_attention(q: Tensor, k: Tensor, v: Tensor, alpha, beta, *, block_si
     else:
         block_impl = implementation_for(BLOCK_IMPLEMENTATIONS, impl, q, v, causal=causal, block=block)
         run = functools.partial(_mixed, impl=impl, block_impl=block_impl, mix=mix, r=r, p=p, **options)
-        in_place = False
+        in_place = not causal and declares(BLOCK_IMPLEMENTATIONS, block_impl, "READS_REAL_FIRST")
     if in_place:
         return run(q, k, v, key_padding_mask)
     return in_real_first_order(run, q, k, v, key_padding_mask)
