@@ -34,15 +34,31 @@ def test_the_kernels_run_again_after_the_stub(gen):
 STEP_OPS = {("lln", False): 22, ("lln", True): 22, ("lln_diag", False): 28, ("lln_diag", True): 24}
 
 
-@pytest.mark.parametrize("method, causal", list(STEP_OPS))
-def test_a_fused_lln_step_keeps_its_op_budget_and_works_its_implementation_out_once(monkeypatch, method, causal):
+# the same with other options: every moment-matching mode in the matcher's one launch (54 and 117 ops before, off
+# causal and exact non-causal); the learnable mixes' two ops and their mixing (72 before, gathering rows non-causal)
+OPTION_STEP_OPS = {("lln", False, "exact"): 22, ("lln", True, "off"): 22, ("lln_diag", False, "learnable_ratio"): 44,
+                   ("lln_diag", True, "learnable_scale"): 37}
+OPTIONS = {"exact": dict(lln_moment_matching="exact"), "off": dict(lln_alpha=2.0, lln_beta=1.5),
+           "learnable_ratio": dict(lln_diag_mix="learnable_ratio"),
+           "learnable_scale": dict(lln_diag_mix="learnable_scale")}
+
+
+@pytest.mark.parametrize("method, causal, option", [(m, c, None) for m, c in STEP_OPS] + list(OPTION_STEP_OPS))
+def test_a_fused_lln_step_keeps_its_op_budget_and_works_its_implementation_out_once(monkeypatch, method, causal,
+                                                                                    option):
     """The host-time proxy without timing: a fused LLN (or LLN+Diag) training step as ``host_time`` runs it
     dispatches at most its budget of ops, syncs the host nowhere, and after its first step asks the kernels' limits
-    (``not_supported_reasons``) nothing again: ``implementation_for``'s decisions are kept."""
+    (``not_supported_reasons``) nothing again: ``implementation_for``'s decisions are kept; with the default options
+    and with others that ran more ops."""
+    from fairseq_linattn.modules.build import build_attention
     from linattn.ops.lln import fused as lln_fused
     from linattn_tools.benchmark.dispatch import count_dispatch
 
     run = host_time.Series(method, causal, "fused")
+    if option is not None:
+        config = {"attention_impl": "fused", **OPTIONS[option]}
+        run.module = build_attention(method, host_time.EMBED, host_time.HEADS, causal=causal, config=config)
+        run.module = run.module.to(dtype=torch.bfloat16).train()
     asked = []
     original = lln_fused.not_supported_reasons
     with host_time.stub_launches():
@@ -50,5 +66,6 @@ def test_a_fused_lln_step_keeps_its_op_budget_and_works_its_implementation_out_o
         monkeypatch.setattr(lln_fused, "not_supported_reasons", lambda *a, **kw: asked.append(a) or original(*a, **kw))
         with count_dispatch() as counts:
             run.step()
-    assert counts.launched <= STEP_OPS[method, causal], counts.ops
+    budget = STEP_OPS[method, causal] if option is None else OPTION_STEP_OPS[method, causal, option]
+    assert counts.launched <= budget, counts.ops
     assert counts.host_syncs == 0 and asked == []
