@@ -31,25 +31,33 @@ def test_the_kernels_run_again_after_the_stub(gen):
 
 # dispatched ops (ATen's and the custom ops) of a fused step: 25, 25, 31, 27 before the scale check was folded into
 # the fused op's per-head stack (2e5fa1d); 23, 23, 29, 25 before the matcher's fold joined its scales' launch
-STEP_OPS = {("lln", False): 22, ("lln", True): 22, ("lln_diag", False): 28, ("lln_diag", True): 24}
+STEP_OPS = {("lln", False): 22, ("lln", True): 22, ("lln_diag", False): 28, ("lln_diag", True): 24,
+            ("skyformer", False): 60, ("lavo", False): 26, ("lavo", True): 19}
 
 
-# the same with other options: every moment-matching mode in the matcher's one launch (54 and 117 ops before, off
-# causal and exact non-causal); the learnable mixes' two ops and their mixing (72 before, gathering rows non-causal)
-OPTION_STEP_OPS = {("lln", False, "exact"): 22, ("lln", True, "off"): 22, ("lln_diag", False, "learnable_ratio"): 44,
-                   ("lln_diag", True, "learnable_scale"): 37}
+# the same with the options that choose another code path: every moment-matching mode in the matcher's one launch
+# (70/54 ops before for off, 117/101 for exact); the learnable mixes' two ops and their mixing (72/69 before,
+# gathering rows non-causal); the others at their defaults' count or under it
+OPTION_STEP_OPS = {("lln", False, "exact"): 22, ("lln", True, "exact"): 22, ("lln", False, "off"): 22,
+                   ("lln", True, "off"): 22, ("lln", False, "per_head"): 22, ("lln", True, "batch"): 22,
+                   ("lln", False, "ema"): 22, ("lln_diag", True, "per_head"): 24,
+                   ("lln_diag", False, "learnable_scale"): 41, ("lln_diag", False, "learnable_ratio"): 44,
+                   ("lln_diag", True, "learnable_scale"): 37, ("lln_diag", True, "learnable_ratio"): 40,
+                   ("skyformer", False, "uniform"): 53, ("lavo", False, "frozen"): 26, ("lavo", True, "fewer"): 19}
 OPTIONS = {"exact": dict(lln_moment_matching="exact"), "off": dict(lln_alpha=2.0, lln_beta=1.5),
+           "per_head": dict(lln_stats_per_head=True), "batch": dict(lln_stats="batch"), "ema": dict(lln_stats="ema"),
            "learnable_ratio": dict(lln_diag_mix="learnable_ratio"),
-           "learnable_scale": dict(lln_diag_mix="learnable_scale")}
+           "learnable_scale": dict(lln_diag_mix="learnable_scale"), "uniform": dict(skyformer_landmark_mode="uniform"),
+           "frozen": dict(lavo_freeze_bases=True), "fewer": dict(lavo_bases=8)}
 
 
 @pytest.mark.parametrize("method, causal, option", [(m, c, None) for m, c in STEP_OPS] + list(OPTION_STEP_OPS))
-def test_a_fused_lln_step_keeps_its_op_budget_and_works_its_implementation_out_once(monkeypatch, method, causal,
-                                                                                    option):
-    """The host-time proxy without timing: a fused LLN (or LLN+Diag) training step as ``host_time`` runs it
-    dispatches at most its budget of ops, syncs the host nowhere, and after its first step asks the kernels' limits
+def test_a_fused_step_keeps_its_op_budget_and_works_its_implementation_out_once(monkeypatch, method, causal,
+                                                                                option):
+    """The host-time proxy without timing: a fused training step as ``host_time`` runs it dispatches at most its
+    budget of ops, syncs the host nowhere, and after its first step asks LLN's kernels' limits
     (``not_supported_reasons``) nothing again: ``implementation_for``'s decisions are kept; with the default options
-    and with others that ran more ops."""
+    and with each that chooses another code path (an option that left the kernels for ATen ops shows)."""
     from fairseq_linattn.modules.build import build_attention
     from linattn.ops.lln import fused as lln_fused
     from linattn_tools.benchmark.dispatch import count_dispatch
