@@ -7,6 +7,7 @@ files that should catch it (run with ``-x``, so a killed mutant costs seconds). 
 """
 from .mutant import DECODE_T, DIAG_T, FAIRSEQ_SLOW, LAVO_T, LLN_T, MM_T, MOD, MODULE_T, OPS, SKY_T, Mutant
 from .mutants_fused import FUSED_MUTANTS
+from .mutants_graphs import GRAPH_MUTANTS
 from .mutants_matching import MATCHING_MUTANTS
 
 M = Mutant
@@ -358,4 +359,4 @@ MUTANTS = [
     M("cpu-ddp-plain-fairseq-train", "linattn_tools/cpu_ddp.py",
       'executable = [sys.executable, "-m", "linattn_tools.ddp_rank"]', 'executable = ["fairseq-train"]',
       "the launcher's ranks run fairseq-train, which never leaves its gloo group", ("tests/tools/test_cpu_ddp.py",)),
-] + FUSED_MUTANTS + MATCHING_MUTANTS
+] + FUSED_MUTANTS + MATCHING_MUTANTS + GRAPH_MUTANTS

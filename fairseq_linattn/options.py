@@ -72,7 +72,21 @@ def check_attention_options(args, *, encoder_layers: Optional[int] = None,
     layers = {role: layer_types(getattr(config, f"{role}_attention_type"), n, role)
               for role, n in (("encoder", encoder_layers), ("decoder", decoder_layers)) if n is not None}
     check_impl(args, config, layers)
+    check_cuda_graph(args, config)
     return config
+
+
+def check_cuda_graph(args, config: AttentionConfig) -> None:
+    """Refuse ``--attention-cuda-graph`` where the run ``args`` describe cannot capture it: on the CPU, or under
+    --amp (autocast's weight cache, which CUDA graphs cannot capture). Only arguments with the trainer's options."""
+    if not config.attention_cuda_graph or not hasattr(args, "fp16"):
+        return
+    device, placed = run_device(args)
+    if device != "cuda":
+        raise AttentionOptionError(f"--attention-cuda-graph needs CUDA; this run is on the CPU ({placed})")
+    if getattr(args, "amp", None):
+        raise AttentionOptionError("--attention-cuda-graph cannot capture --amp's autocast (its weight cache); use "
+                                   "--fp16 or --bf16")
 
 
 def run_dtypes(args) -> Tuple[torch.dtype, torch.dtype, str]:

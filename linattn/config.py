@@ -82,6 +82,10 @@ class AttentionConfig:
         "first-step", "with --attention-compile: first-step = each module's first training step also runs eagerly "
         "and training stops if the compiled output or a gradient differs (one extra step per module and run); "
         "off = no check", choices=("first-step", "off"))
+    attention_cuda_graph: bool = option(
+        False, "capture each attention module's training step (forward and backward) in CUDA graphs, once per input "
+        "shape (at most 4 a module), and replay them: the host issues a module's step as two graph launches "
+        "(CUDA, --fp16 or --bf16; a step the graphs cannot hold runs eagerly, the reason logged once)")
     # -- LLN and LLN+Diag
     lln_moment_matching: str = option(
         "paper", "how LLN sets alpha, beta (LLN §4.1): paper = published a, b; fit = a, b from "
@@ -156,6 +160,9 @@ class AttentionConfig:
         if self.attention_compile and self.attention_impl == "looped":
             raise ValueError("--attention-compile runs --attention-impl auto, parallel or fused, not looped (its "
                              "Python loops over working passes would be unrolled into the compiled graph)")
+        if self.attention_cuda_graph and self.attention_compile:
+            raise ValueError("--attention-cuda-graph and --attention-compile: choose one (a compiled call's guards and "
+                             "first-step check run on the host at every call, which a captured step skips)")
         layers: Dict[str, List[str]] = {}
         if encoder_layers is not None:
             layers["encoder"] = layer_types(self.encoder_attention_type, encoder_layers, "encoder")

@@ -21,7 +21,7 @@ from linattn.methods import METHODS, methods_for
 from linattn.ops.impls import choose, table_of
 from linattn.ops.packed_heads import pack_rows, split_heads
 
-from . import compile_check
+from . import compile_check, cuda_graph
 from .registry import ATTENTION_CLASSES
 
 State = Dict[str, Optional[Tensor]]
@@ -92,6 +92,10 @@ class AttentionBase(nn.Module):
         t, b, _ = query.shape
         attn_mask = self._accepted_attn_mask(attn_mask, t, key.shape[0], incremental_state is not None)
         if incremental_state is None and key is query and value is query and self.packs_projections:
+            if self.config.attention_cuda_graph and attn_mask is None and not (need_weights or need_head_weights):
+                out = self._graphed_steps()(query, key_padding_mask)
+                if out is not None:
+                    return out, None
             q, k, v = self._packed_heads(query)
             out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, attn_mask)
             return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
@@ -119,6 +123,40 @@ class AttentionBase(nn.Module):
         if incremental_state is not None:  # no weights while decoding
             need_weights = need_head_weights = False
         return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
+
+    def self_attention(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Self-attention's output (T, B, C) of x (T, B, C), no weights: the eager training forward, which
+        ``--attention-cuda-graph`` captures (``cuda_graph.Step``)."""
+        q, k, v = self._packed_heads(x)
+        out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, None)
+        return self._merged(q, k, out, key_padding_mask, None, False, False)[0]
+
+    def _graphed_steps(self) -> cuda_graph.GraphedSteps:
+        """The module's captured training steps (``--attention-cuda-graph``), kept out of its state."""
+        steps = self.__dict__.get("_cuda_graphs")
+        if steps is None:
+            steps = self.__dict__["_cuda_graphs"] = cuda_graph.GraphedSteps(self)
+        return steps
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_cuda_graphs", None)  # a graph reads the very tensors it was captured with
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        """A copy (``copy.deepcopy``: fairseq's EMA model, our checks) or pickle captures its own graphs, and copies its
+        parameters' gradients out of them (``cuda_graph._copied``) again: the graphs read this module's tensors."""
+        state = super().__getstate__()
+        state.pop("_cuda_graphs", None)
+        state.pop("_grads_copied", None)
+        return state
+
+    def train(self, mode: bool = True):
+        """fairseq's trainer calls ``model.train()`` before every update attempt: a graphed step whose backward did
+        not come (an attempt it skipped) no longer holds the next one eager (``cuda_graph``)."""
+        steps = self.__dict__.get("_cuda_graphs")
+        if steps is not None:
+            steps.forget_pending()
+        return super().train(mode)
 
     def _packed_heads(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Self-attention's q, k, v (B, H, T, D) from x (T, B, C) in one matmul: views of a (T, B, H, 3, D) tensor,
