@@ -18,6 +18,7 @@ and its threshold:
              fused in float16/bfloat16 where an op has kernels), eval and train mode (EMA statistics, landmark
              redraws, dropout), forward and gradients vs the float64 reference;
   compile    --attention-compile: each method's training step compiled (Triton) vs eager, one graph;
+  cuda_graph --attention-cuda-graph: each method's training steps captured and replayed vs eager;
   train      50 --fp16 updates of the sample recipes per attention: loss falls, loss_scale after warm-up
              >= --min-loss-scale (read from this run's TensorBoard), moment statistics finite;
   finetune   scripts/finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoints;

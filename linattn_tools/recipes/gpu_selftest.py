@@ -9,6 +9,8 @@ Stages, each printing PASS/FAIL per check with the measured number and its thres
              redraws, dropout), tolerances from linattn/tolerances.py;
   compile    --attention-compile: every method x role's training step compiled (Triton on a GPU) against eager,
              float32 tolerances, one Dynamo graph, the step's time both ways;
+  cuda_graph --attention-cuda-graph: every method x role's training steps captured and replayed against eager
+             (outputs, gradients, moment statistics, one graph a shape), the step's time both ways;
   train      a short --fp16 run of the sample recipes per attention (pretrain_wikitext103.sh, train_pg19.sh):
              loss falls, loss scale after warm-up >= --min-loss-scale (this run's TensorBoard), moment
              statistics finite;
@@ -43,12 +45,14 @@ def stage_functions() -> dict:
     from .selftest.compiled import compile_stage
     from .selftest.decode import decode_stage
     from .selftest.env import env_stage
+    from .selftest.graphed import cuda_graph_stage
     from .selftest.multi import multi_stage
     from .selftest.ops import ops_stage
     from .selftest.speed import speed_stage
     from .selftest.training import eval_lm_stage, finetune_stage, train_stage
 
-    return {"env": env_stage, "ops": ops_stage, "compile": compile_stage, "train": train_stage,
+    return {"env": env_stage, "ops": ops_stage, "compile": compile_stage, "cuda_graph": cuda_graph_stage,
+            "train": train_stage,
             "finetune": finetune_stage, "eval_lm": eval_lm_stage, "decode": decode_stage, "speed": speed_stage,
             "multi_gpu": multi_stage}
 

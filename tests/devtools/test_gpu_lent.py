@@ -17,12 +17,14 @@ def test_its_steps_take_the_options_of_the_scripts_they_run():
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     steps = dict(line.split(": ", 1) for line in proc.stdout.strip().splitlines())
-    assert list(steps) == ["setup (cap 120 s)", "ops (cap 120 s)", "bench (cap 420 s)", "compile (cap 150 s)"]
+    assert list(steps) == ["setup (cap 120 s)", "ops (cap 120 s)", "graphs (cap 60 s)", "bench (cap 420 s)",
+                           "compile (cap 150 s)"]
     bench = steps["bench (cap 420 s)"].split()
     assert bench[:2] == ["bash", "scripts/gpu_bench.sh"]
     accepted = (ROOT / "scripts" / "gpu_bench.sh").read_text()
     assert all(f"    {opt})" in accepted for opt in bench if opt.startswith("--"))
-    for name, stages, methods in (("ops (cap 120 s)", ["ops"], []), ("compile (cap 150 s)", ["compile"], ["lln"])):
+    for name, stages, methods in (("ops (cap 120 s)", ["ops"], []), ("graphs (cap 60 s)", ["cuda_graph"], ["lln"]),
+                                  ("compile (cap 150 s)", ["compile"], ["lln"])):
         command = steps[name].split()
         assert command[:2] == ["bash", "scripts/gpu_selftest.sh"]
         args = parse_args(command[2:])
@@ -55,11 +57,13 @@ def test_a_step_out_of_time_is_stopped_and_the_rest_still_runs_and_comes_back(tm
     assert proc.returncode == 0, proc.stderr
     steps = (out / "steps.txt").read_text().splitlines()
     assert steps[0].startswith("setup: exit 0") and steps[1].startswith("ops: exit 0")
-    assert steps[2].startswith("bench: exit 124")  # timeout's status
-    assert "(cap 4 s)" in steps[2] or "(cap 3 s)" in steps[2]  # the budget's rest, not its own 420 s
-    assert steps[3] == "compile: not run (no time left)" or steps[3].startswith("compile: exit 0")
+    assert steps[2].startswith("graphs: exit 0")
+    assert steps[3].startswith("bench: exit 124")  # timeout's status
+    assert "(cap 4 s)" in steps[3] or "(cap 3 s)" in steps[3]  # the budget's rest, not its own 420 s
+    assert steps[4] == "compile: not run (no time left)" or steps[4].startswith("compile: exit 0")
     assert (out / "targets.md").read_text() == "| lln | 0.5x |\n"
     assert "--stages ops" in (out / "ops.md").read_text()
+    assert "--stages cuda_graph --methods lln" in (out / "graphs.md").read_text()
     with tarfile.open(out / "gpu_lent.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"./setup.log", "./ops.log", "./bench.log", "./steps.txt", "./bench/targets.md"} <= names
@@ -71,7 +75,7 @@ def test_a_step_out_of_time_is_stopped_and_the_rest_still_runs_and_comes_back(tm
     assert proc.returncode == 0, proc.stderr
     assert "--stages compile --methods lln" in (out / "compile.md").read_text()
     assert [line.split(":")[0] for line in (out / "steps.txt").read_text().splitlines()] == \
-        ["setup", "ops", "bench", "compile"]
+        ["setup", "ops", "graphs", "bench", "compile"]
     proc = subprocess.run(["bash", str(root / "dev" / "gpu_lent.sh"), "setup", "compile"], capture_output=True,
                           text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import ROOT
 
-from linattn_tools.recipes.selftest import compiled, core, ops, speed, training
+from linattn_tools.recipes.selftest import compiled, core, graphed, ops, speed, training
 from linattn_tools.recipes.selftest.env import no_cuda_message, torch_build
 
 SCRIPT = str(ROOT / "scripts" / "gpu_selftest.sh")
@@ -349,3 +349,36 @@ def run_quick_selftest(work, runs: int):
             assert not (work / "speed").exists()
         print(f"run {run}: {time.time() - start:.0f} s; " + ", ".join(f"{s['name']} {s['seconds']:.0f} s"
                                                                    for s in data["stages"]))
+
+
+def test_cuda_graph_stage_judges_replayed_steps_against_eager(monkeypatch):
+    """With the CPU stand-in for the capture (``dev.perf.graph_standin``; small sizes): the fused causal LLN case
+    passes its outputs, gradients, buffers and graph count in float16; a replay that is 1 % off fails the outputs and
+    gradients; on the CPU the stage itself is one SKIP (CUDA graphs need CUDA)."""
+    from dev.perf import graph_standin
+    from fairseq_linattn.modules import cuda_graph
+
+    monkeypatch.setitem(graphed.SIZES, False, dict(batch=2, heads=2, n=12, head_dim=16))
+    monkeypatch.setattr(cuda_graph, "capture", graph_standin.capture)
+    stage = core.Stage("cuda_graph")
+    graphed.check_case(stage, "lln", "decoder", "cpu")
+    rows = {r.check: r for r in stage.rows}
+    name = "lln decoder fused float16"
+    for check in ("outputs replayed vs eager", "gradients replayed vs eager",
+                  "buffers (moment statistics) replayed vs eager", "graphs captured"):
+        assert rows[f"{name} {check}"].status == "PASS", rows[f"{name} {check}"]
+    assert rows[f"{name} step time replayed vs eager"].status == "INFO"
+
+    def off(step, args):
+        replay = graph_standin.capture(step, args)
+        return lambda *inputs: replay(*inputs) * 1.01
+    monkeypatch.setattr(cuda_graph, "capture", off)
+    stage = core.Stage("cuda_graph")
+    graphed.check_case(stage, "lln", "encoder", "cpu")
+    rows = {r.check: r for r in stage.rows}
+    assert rows["lln encoder fused float16 outputs replayed vs eager"].status == "FAIL"
+    assert rows["lln encoder fused float16 gradients replayed vs eager"].status == "FAIL"
+    (row,) = graphed.cuda_graph_stage(core.Settings("cpu", Path("/nonexistent"), quick=True)).rows
+    assert (row.status, row.detail) == ("SKIP", "CUDA graphs need a CUDA device")
+    assert graphed.cases(quick=True) == (("lln", "decoder"),) and ("skyformer", "encoder") in graphed.cases(False)
+    assert graphed.buffer_error(torch.tensor(4), torch.tensor(1)) == math.inf

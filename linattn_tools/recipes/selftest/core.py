@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[3]
-STAGES = ("env", "ops", "compile", "train", "finetune", "eval_lm", "decode", "speed", "multi_gpu")
+STAGES = ("env", "ops", "compile", "cuda_graph", "train", "finetune", "eval_lm", "decode", "speed", "multi_gpu")
 # what the self-test writes under --work, removed at the start of every run; prepared samples are kept
 OUTPUTS = STAGES + ("report.json", "report.md")
 SAMPLES = "samples"
