@@ -16,6 +16,7 @@ before the timing: Dynamo's guards and AOTAutograd's wrappers in place of the op
 """
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -66,15 +67,35 @@ def stub_launches() -> Iterator[Dict[str, int]]:
         InterpretedFunction.__getitem__ = original
 
 
+@contextlib.contextmanager
+def stub_replays(on: bool) -> Iterator[None]:
+    """``--attention-cuda-graph``'s capture replaced, if ``on``, by the CPU stand-in whose replays run nothing
+    (``graph_standin``): a graphed step's host time is then what the graphs leave the host."""
+    if not on:
+        yield
+        return
+    from dev.perf import graph_standin
+    from fairseq_linattn.modules import cuda_graph
+
+    original = cuda_graph.capture
+    cuda_graph.capture = functools.partial(graph_standin.capture, replays=False)
+    try:
+        yield
+    finally:
+        cuda_graph.capture = original
+
+
 class Series:
     """One series' module and step inputs (non-causal steps with the last token padded), stepped with the kernels
     stubbed (``stub_launches``)."""
 
-    def __init__(self, method: str, causal: bool, impl: str, compiled: bool = False):
+    def __init__(self, method: str, causal: bool, impl: str, compiled: bool = False, graphed: bool = False):
         self.method, self.causal = method, causal
         config = {"attention_impl": impl}
         if compiled:
             config.update(attention_compile=True, attention_compile_check="off")
+        if graphed:
+            config.update(attention_cuda_graph=True)
         self.module = build_attention(method, EMBED, HEADS, causal=causal, config=config)
         self.module = self.module.to(dtype=torch.bfloat16).train()
         self.x = torch.randn(LENGTH, 1, EMBED, dtype=torch.bfloat16, requires_grad=True)
@@ -104,11 +125,12 @@ class Series:
                 "medians_s": self.medians, "ops": ops.launched, "triton_launches": launches}
 
 
-def measure(impl: str, rounds: int, steps: int, compiled: bool = False) -> List[dict]:
-    """Every series of ``series()`` (the linear ones in ``impl``; each module compiled if ``compiled``), timed in
-    ``rounds`` interleaved rounds of ``steps`` steps each after 20 untimed ones."""
-    runs = [Series(m, c, "auto" if m == BASELINE else impl, compiled) for m, c in series()]
-    with stub_launches() as counts:
+def measure(impl: str, rounds: int, steps: int, compiled: bool = False, graphed: bool = False) -> List[dict]:
+    """Every series of ``series()`` (the linear ones in ``impl``; each module compiled if ``compiled``; the linear
+    ones' steps captured if ``graphed``, replays standing in for nothing), timed in ``rounds`` interleaved rounds of
+    ``steps`` steps each after 20 untimed ones."""
+    runs = [Series(m, c, "auto" if m == BASELINE else impl, compiled, graphed and m != BASELINE) for m, c in series()]
+    with stub_launches() as counts, stub_replays(graphed):
         launches = []
         for run in runs:
             for _ in range(20):
@@ -133,14 +155,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the series (the least median kept)")
     p.add_argument("--steps", type=int, default=100, help="steps timed per series and round (their median)")
     p.add_argument("--compile", action="store_true", help="every module with --attention-compile")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="the linear modules with --attention-cuda-graph, each replay standing in for nothing")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
-    rows = measure(args.impl, args.rounds, args.steps, args.compile)
+    rows = measure(args.impl, args.rounds, args.steps, args.compile, args.cuda_graph)
     base = {r["causal"]: r["host_s"] for r in rows if r["method"] == BASELINE}
     print(f"host time of one training step (E = {EMBED}, H = {HEADS}, N = {LENGTH}, bf16, kernels not run"
-          f"{', compiled' if args.compile else ''}), torch {torch.__version__}")
+          f"{', compiled' if args.compile else ''}{', linear steps graphed' if args.cuda_graph else ''}), "
+          f"torch {torch.__version__}")
     print("| series | implementation | host ms | over softmax's | ops dispatched | Triton launches |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -149,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{r['ops']} | {r['triton_launches']} |")
     if args.json:
         write_json(Path(args.json), {"torch": torch.__version__, "embed": EMBED, "heads": HEADS, "length": LENGTH,
-                               "impl": args.impl, "compiled": args.compile, "rounds": args.rounds,
+                               "impl": args.impl, "compiled": args.compile,
+                               "cuda_graph": args.cuda_graph, "rounds": args.rounds,
                                "steps": args.steps,
                                "rows": rows})
     return 0

@@ -77,3 +77,27 @@ def test_a_fused_step_keeps_its_op_budget_and_works_its_implementation_out_once(
     budget = STEP_OPS[method, causal] if option is None else OPTION_STEP_OPS[method, causal, option]
     assert counts.launched <= budget, counts.ops
     assert counts.host_syncs == 0 and asked == []
+
+
+# dispatched ops of a graphed step (``--attention-cuda-graph``) after its capture: the copies into the graphs'
+# inputs (x, the mask of the non-causal steps, the output's gradient) and the parameters' gradients copied out of
+# the graph's (``cuda_graph._copied``: 8 projection weights and biases, more for LLN+Diag's mixes, LAVO's bases)
+GRAPHED_STEP_OPS = {False: 11, True: 10}
+
+
+@pytest.mark.parametrize("method, causal", list(STEP_OPS))
+def test_a_graphed_step_leaves_the_host_the_copies_around_its_replays(method, causal):
+    """With ``--attention-cuda-graph`` and replays that run nothing (``stub_replays``), a step after its capture
+    dispatches only the copies around the replays, whatever the method's own ops, syncs the host nowhere, and
+    runs none of the method's kernels."""
+    from linattn_tools.benchmark.dispatch import count_dispatch
+
+    run = host_time.Series(method, causal, "fused", graphed=True)
+    with host_time.stub_launches() as launches, host_time.stub_replays(True):
+        run.step()
+        launches["launches"] = 0
+        with count_dispatch() as counts:
+            run.step()
+    assert counts.launched <= GRAPHED_STEP_OPS[causal] + sum(1 for p in run.module.parameters()) - 8, counts.ops
+    assert counts.host_syncs == 0 and launches["launches"] == 0
+    assert len(run.module.__dict__["_cuda_graphs"].graphs) == 1
