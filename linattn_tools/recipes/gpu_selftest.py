@@ -11,9 +11,9 @@ Stages, each printing PASS/FAIL per check with the measured number and its thres
              float32 tolerances, one Dynamo graph, the step's time both ways;
   cuda_graph --attention-cuda-graph: every method x role's training steps captured and replayed against eager
              (outputs, gradients, moment statistics, one graph a shape), the step's time both ways;
-  train      a short --fp16 run of the sample recipes per attention (pretrain_wikitext103.sh, train_pg19.sh):
-             loss falls, loss scale after warm-up >= --min-loss-scale (this run's TensorBoard), moment
-             statistics finite;
+  train      a short --fp16 run of the sample recipes per attention (pretrain_wikitext103.sh, train_pg19.sh),
+             and a causal LLN LM with --attention-cuda-graph --update-freq 2: loss falls, loss scale after
+             warm-up >= --min-loss-scale (this run's TensorBoard), moment statistics finite;
   finetune   finetune_glue.sh on the SST-2-shaped sample from the train stage's checkpoint;
   eval_lm    eval_pg19.sh: perplexity at 1x and 2x the training context (causal models);
   decode     incremental decoding == full forward on the device (padded batch, beam reordering);

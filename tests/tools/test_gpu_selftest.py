@@ -162,6 +162,29 @@ def test_training_is_judged_from_this_runs_tensorboard(tmp_path):
     assert judge(tmp_path / "softmax")["run moment statistics"].status == "SKIP"
 
 
+def test_the_train_stage_trains_an_lm_with_captured_steps_on_a_gpu_only(tmp_path, monkeypatch):
+    """On CUDA one more causal LLN LM, through train_pg19.sh with --attention-cuda-graph and two batches an update,
+    judged from its own TensorBoard as the others; on the CPU, where the option is refused, one SKIP."""
+    runs = []
+
+    def recipe(settings, script, args, out, **env):
+        runs.append((script, args))
+        write_run(out / "tb", [9, 8.5, 8, 7.5, 7, 6.5], [128, 64, 64, 64, 32, 32], {"lln_alpha": 2.0})
+        return 0
+    monkeypatch.setattr(training, "recipe", recipe)
+    stage = core.Stage("train")
+    training.graphed_run(stage, core.Settings("cuda", tmp_path, min_loss_scale=1.0), tmp_path, 6, 1)
+    ((script, args),) = runs
+    assert script == "train_pg19.sh" and args[0] == "lln" and args[-3:] == ["--attention-cuda-graph",
+                                                                           "--update-freq", "2"]
+    rows = {r.check: r.status for r in stage.rows}
+    assert rows["lm lln --attention-cuda-graph --update-freq 2 loss falls"] == "PASS" and len(rows) == 3
+    stage = core.Stage("train")
+    training.graphed_run(stage, core.Settings("cpu", tmp_path), tmp_path, 6, 1)
+    (row,) = stage.rows
+    assert row.status == "SKIP" and len(runs) == 1
+
+
 def test_a_second_run_into_the_same_directory_reads_only_its_own_events(tmp_path):
     """The rerun bug: a run's TensorBoard directory kept the previous run's events (twice the updates)."""
     work = tmp_path / "work"
@@ -335,7 +358,7 @@ def run_quick_selftest(work, runs: int):
         assert proc.returncode == 0, (run, proc.stdout[-6000:], proc.stderr[-3000:])
         data = json.loads((work / "report.json").read_text())
         status = {s["name"]: s["status"] for s in data["stages"]}
-        assert status == {s: "INFO" if s == "speed" else "PASS" for s in stages}, status
+        assert status == {s: {"speed": "INFO", "cuda_graph": "SKIP"}.get(s, "PASS") for s in stages}, status
         assert proc.stdout.strip().splitlines()[-1].startswith("gpu_selftest: PASS")
         rows = {r["check"]: r for s in data["stages"] for r in s["rows"]}
         lm = next(c for c in rows if c.startswith("lm ") and c.endswith(" loss falls"))

@@ -121,7 +121,30 @@ def train_stage(settings: Settings) -> Stage:
                 stage.judge(f"{name} ran", False, f"exit {code}", "exit 0", tail(out / "selftest.log"))
                 continue
             judge_run(stage, name, out, settings, updates, warmup)
+    graphed_run(stage, settings, root, updates, warmup)
     return stage
+
+
+GRAPHED = ("lln", ["--attention-cuda-graph", "--update-freq", "2"])  # accumulation: two replays an update
+
+
+def graphed_run(stage: Stage, settings: Settings, root: Path, updates: int, warmup: int) -> None:
+    """A causal LLN LM trained with ``--attention-cuda-graph`` and two batches an update, through fairseq's trainer
+    (its fp16 optimizer, ``model.train()`` each update, the moment matcher's deferred folds), judged as the others;
+    one SKIP on the CPU, where the option is refused."""
+    spec, options = GRAPHED
+    name = f"lm {spec} {' '.join(options)}"
+    if not settings.cuda:
+        stage.add(name, "SKIP", detail="CUDA graphs need CUDA")
+        return
+    out = root / f"lm_{spec}_cuda_graph"
+    args = [spec, "--max-update", str(updates), "--warmup-updates", str(warmup), "--seed", "1", "--log-interval",
+            "1", *options]
+    code = recipe(settings, "train_pg19.sh", args, out)
+    if code != 0:
+        stage.judge(f"{name} ran", False, f"exit {code}", "exit 0", tail(out / "selftest.log"))
+        return
+    judge_run(stage, name, out, settings, updates, warmup)
 
 
 def checkpoint(settings: Settings, kind: str, spec: str) -> Path:
