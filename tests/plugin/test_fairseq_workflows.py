@@ -242,3 +242,38 @@ def test_cpu_ddp_statistics_leave_out_a_ranks_dummy_batch(tmp_path):
     records, logs, states = ddp_and_one_process(tmp_path, 28, "--curriculum", "1")
     assert [log["bsz"] for log in logs["one"]] == ["8", "8", "8", "4"]
     check_ddp_equals_one_process(records, logs, states)
+
+
+GRAPHED_TRAIN = """
+import sys
+from dev.perf import graph_standin
+from fairseq_linattn import options
+from fairseq_linattn.modules import cuda_graph
+cuda_graph.capture = graph_standin.capture  # the CPU stand-in for CUDA's capture
+options.check_cuda_graph = lambda args, config: None  # which refuses the option on the CPU
+from fairseq_cli.train import cli_main
+sys.argv = ["fairseq-train", *sys.argv[1:]]
+cli_main()
+"""
+
+
+def test_lm_trains_through_fairseqs_trainer_with_captured_steps_as_eagerly(lm_data, tmp_path):
+    """--attention-cuda-graph with the capture's CPU stand-in, through fairseq's trainer (model.train() each update,
+    two batches an update, the moment matcher's deferred folds, validation in eval): the checkpoint's parameters
+    and moment statistics are the eager run's."""
+    from helpers import ROOT
+
+    states = {}
+    for name, extra in (("eager", []), ("graphed", ["--attention-cuda-graph"])):
+        args = [str(lm_data), "--task", "language_modeling", "--arch", "linattn_lm_tiny", "--decoder-attention-type",
+                "lln", "--tokens-per-sample", "32", "--batch-size", "4", "--dropout", "0", "--update-freq", "2",
+                "--save-dir", str(tmp_path / name), *map(str, TRAIN_COMMON), "--max-update", "4",
+                "--lln-chunk-size", "8", *extra]
+        proc = subprocess.run([sys.executable, "-c", GRAPHED_TRAIN, *args], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        states[name] = load_model_state(tmp_path / name / "checkpoint_last.pt")
+    assert states["graphed"].keys() == states["eager"].keys()
+    assert any(".matcher.ema_var_q" in key for key in states["eager"])
+    for key, want in states["eager"].items():
+        torch.testing.assert_close(states["graphed"][key], want, rtol=1e-5, atol=1e-6, msg=key)
