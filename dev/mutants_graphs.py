@@ -24,6 +24,10 @@ GRAPH_MUTANTS = [
       "--attention-cuda-graph accepted on the CPU, to fail at the first step", GRAPH_T),
     M("graph-copy-keeps-hooks-flag", MOD + "base.py", '        state.pop("_grads_copied", None)', "        pass",
       "a deep copy believes its parameters' gradients copied out of its graphs, whose hooks stayed behind", GRAPH_T),
+    M("graph-capture-global", MOD + "cuda_graph.py", 'CAPTURE_MODE = "thread_local"', 'CAPTURE_MODE = "global"',
+      "a capture mid-epoch broken by the DataLoader's pin-memory thread", GRAPH_T),
+    M("graph-mode-left-patched", MOD + "cuda_graph.py", "        torch.cuda.graph = opened\n", "",
+      "torch.cuda.graph left in thread-local mode for the rest of the process", GRAPH_T),
     M("graph-train-forgets-nothing", MOD + "base.py", "            steps.forget_pending()", "            pass",
       "a step whose backward never came holds every later step eager", GRAPH_T),
 ]

@@ -12,6 +12,8 @@ module's last graphed step still waits for its backward: the replay would overwr
 reads (a module run twice before its backward, as R-Drop does; fairseq's ``model.train()`` at each update, which a
 failed attempt skips, forgets a backward that never came).
 """
+import functools
+import inspect
 import logging
 from typing import Callable, Dict, Optional, Tuple
 
@@ -24,6 +26,7 @@ from .moment_matcher import _FLAGS, MomentMatcher
 logger = logging.getLogger(__name__)
 MAX_SHAPES = 4  # graphs a module keeps: each holds its step's saved activations in memory of its own
 WARMUP = 3  # eager forward and backward passes before a capture (make_graphed_callables' default)
+CAPTURE_MODE = "thread_local"  # only the capturing thread's unsafe CUDA calls break a capture
 _SAID = set()  # the reasons logged (``GraphedSteps._say``): each once per process
 
 
@@ -34,7 +37,24 @@ def capture(step: nn.Module, args: Tuple[Tensor, ...]) -> Callable[..., Tensor]:
     if args[0].device.type != "cuda":
         raise RuntimeError(f"--attention-cuda-graph needs CUDA: this attention module runs on {args[0].device.type} "
                            "(leave the option out on the CPU)")
-    return torch.cuda.make_graphed_callables(step, args, num_warmup_iters=WARMUP, allow_unused_input=True)
+    return graphed_callables(step, args)
+
+
+def graphed_callables(step: nn.Module, args: Tuple[Tensor, ...]) -> Callable[..., Tensor]:
+    """``torch.cuda.make_graphed_callables`` capturing in ``capture_error_mode="thread_local"``: a capture taken
+    mid-epoch would otherwise be broken by the CUDA calls of another thread, as the pinned-memory allocations of
+    fairseq's DataLoader (``pin_memory=True``). Passed where ``make_graphed_callables`` takes the mode, else given
+    to the ``torch.cuda.graph`` it opens (torch <= 2.13 names none)."""
+    make = torch.cuda.make_graphed_callables
+    options = dict(num_warmup_iters=WARMUP, allow_unused_input=True)
+    if "capture_error_mode" in inspect.signature(make).parameters:
+        return make(step, args, capture_error_mode=CAPTURE_MODE, **options)
+    opened = torch.cuda.graph
+    torch.cuda.graph = functools.partial(opened, capture_error_mode=CAPTURE_MODE)
+    try:
+        return make(step, args, **options)
+    finally:
+        torch.cuda.graph = opened
 
 
 def _copied(grad: Tensor) -> Tensor:

@@ -237,3 +237,27 @@ def test_a_copy_of_a_graphed_module_captures_its_own_graphs(gen, standin):
     for got, want in zip(twins[1].parameters(), twins[0].parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
     assert len(standin) == 2 and len(twins[1].__dict__["_cuda_graphs"].graphs) == 1
+
+
+@pytest.mark.parametrize("takes_mode", [False, True])
+def test_captures_run_in_thread_local_mode_whatever_torch_takes(monkeypatch, takes_mode):
+    """Another thread's CUDA calls (fairseq's DataLoader pins memory in one) must not break a capture taken
+    mid-epoch: ``make_graphed_callables`` is given ``capture_error_mode="thread_local"`` where it takes it, else the
+    ``torch.cuda.graph`` it opens is, and is put back after (torch 2.13's takes none)."""
+    seen = []
+    opened = torch.cuda.graph
+
+    def make(step, args, num_warmup_iters, allow_unused_input, **mode):
+        seen.append((mode or torch.cuda.graph.keywords, num_warmup_iters, allow_unused_input))
+        return "graphed"
+
+    if takes_mode:
+        def make_with_mode(step, args, num_warmup_iters=3, allow_unused_input=False, pool=None,
+                           capture_error_mode="global"):
+            return make(step, args, num_warmup_iters, allow_unused_input, capture_error_mode=capture_error_mode)
+        monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_with_mode)
+    else:
+        monkeypatch.setattr(torch.cuda, "make_graphed_callables", make)
+    assert cuda_graph.graphed_callables(None, ()) == "graphed"
+    assert seen == [({"capture_error_mode": "thread_local"}, cuda_graph.WARMUP, True)]
+    assert torch.cuda.graph is opened
