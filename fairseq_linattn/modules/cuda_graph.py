@@ -1,7 +1,8 @@
 """``--attention-cuda-graph``: an attention module's self-attention training step, forward and backward, captured in
 CUDA graphs once per input shape and replayed (docs/design.md §1.5). The host then issues the step as two graph
-launches and the copies into the graphs' inputs (x, its padding mask, the output's gradient), whatever the method's
-kernels, moment matcher and Python layers cost it to issue eagerly (docs/benchmarks.md, *Host time*).
+launches, the copies into the graphs' inputs (x, its padding mask, the output's gradient) and those of the
+parameters' gradients out of them, whatever the method's kernels, moment matcher and Python layers cost it to issue
+eagerly (docs/benchmarks.md, *Host time*).
 
 ``torch.cuda.make_graphed_callables`` captures (``capture``). ``GraphedSteps`` decides at each step whether a graph
 may stand in for the eager step, keys the graphs by what the step's host code reads (x's shape, dtype, device and
