@@ -143,11 +143,10 @@ class AttentionBase(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):
-        """A copy (``copy.deepcopy``: fairseq's EMA model, our checks) or pickle captures its own graphs, and copies its
-        parameters' gradients out of them (``cuda_graph._copied``) again: the graphs read this module's tensors."""
+        """A copy (``copy.deepcopy``: fairseq's EMA model, our checks) or pickle captures its own graphs: these read
+        this module's tensors."""
         state = super().__getstate__()
         state.pop("_cuda_graphs", None)
-        state.pop("_grads_copied", None)
         return state
 
     def train(self, mode: bool = True):

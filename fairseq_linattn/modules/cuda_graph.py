@@ -16,6 +16,7 @@ failed attempt skips, forgets a backward that never came).
 import functools
 import inspect
 import logging
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -29,6 +30,7 @@ MAX_SHAPES = 4  # graphs a module keeps: each holds its step's saved activations
 WARMUP = 3  # eager forward and backward passes before a capture (make_graphed_callables' default)
 CAPTURE_MODE = "thread_local"  # only the capturing thread's unsafe CUDA calls break a capture
 _SAID = set()  # the reasons logged (``GraphedSteps._say``): each once per process
+_COPIED = weakref.WeakValueDictionary()  # id -> a parameter whose gradients ``_copied`` copies (a copy's are others)
 
 
 def capture(step: nn.Module, args: Tuple[Tensor, ...]) -> Callable[..., Tensor]:
@@ -79,7 +81,8 @@ class Step(nn.Module):
 
 
 class GraphedSteps:
-    """One attention module's captured training steps, by key (``key``), at most ``MAX_SHAPES``."""
+    """One attention module's captured training steps, at most ``MAX_SHAPES``, keyed by what the step's host code
+    reads."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -142,11 +145,10 @@ class GraphedSteps:
         with torch.no_grad():
             for buffer, before in buffers:
                 buffer.copy_(before)
-        if not self.module.__dict__.get("_grads_copied"):
-            self.module.__dict__["_grads_copied"] = True
-            for param in self.module.parameters():
-                if param.requires_grad:
-                    param.register_hook(_copied)
+        for param in self.module.parameters():
+            if param.requires_grad and _COPIED.get(id(param)) is not param:
+                param.register_hook(_copied)
+                _COPIED[id(param)] = param
         return graphed
 
     def _say(self, why: str) -> None:
