@@ -1,11 +1,12 @@
 """The ``cuda_graph`` stage: ``--attention-cuda-graph`` on the device (docs/design.md §1.5).
 
-For every method in the encoder and decoder roles (``--quick``: causal LLN only), ``STEPS`` module training steps as
-fairseq's trainer runs them (moment folds deferred, then folded as its optimizer step does), captured and replayed
-against eager from the same weights, inputs and random state, in the fused implementation where the method has
-kernels, else ``parallel``, in bfloat16 where the GPU has it natively, else float16:
-- every step's output, input and parameter gradients within ``linattn.tolerances``' entry for the dtype (Skyformer's
-  landmarks drawn inside the graph: its rows say whether the replay's draws are eager's);
+For every method in the encoder and decoder roles (``--quick``: causal LLN only), a capturing module training step
+and ``STEPS`` more, as fairseq's trainer runs them (moment folds deferred, then folded as its optimizer step does),
+captured and replayed against eager from the same weights, inputs and random state, in the fused implementation
+where the method has kernels, else ``parallel``, in bfloat16 where the GPU has it natively, else float16:
+- the output, input and parameter gradients of every step after the capturing one (whose warm-up passes draw from
+  the random state first) within ``linattn.tolerances``' entry for the dtype (Skyformer's landmarks drawn inside the
+  graph: its rows say whether a replay's draws are eager's from the same seed);
 - the moment matcher's statistics after the steps equal (the capture's warm-up passes put back);
 - one graph captured, and none in eval;
 - the step's time replayed against eager (INFO: the host's share of a small step, which the replay removes).
@@ -83,17 +84,20 @@ def check_case(stage: Stage, method: str, role: str, device: str) -> None:
     limit, grad_limit = tolerance(method, dtype), tolerance(method, dtype, gradient=True)
     worst, worst_grad = 0.0, 0.0
     try:
-        for step in range(STEPS):
+        for step in range(STEPS + 1):
             x = torch.randn(size["n"], size["batch"], size["heads"] * size["head_dim"], generator=g)
             x = x.to(device, getattr(torch, dtype))
             got, want = training_step(graphed, x, mask, seed=step), training_step(eager, x, mask, seed=step)
+            if step == 0:  # the capture: its warm-up passes draw from the random state before the replay
+                continue
             worst = max(worst, rel_err(got[0], want[0]))
             errors = gradient_errors([got[1], *got[2]], [want[1], *want[2]])
             worst_grad = max(worst_grad, max(errors) if len(got[2]) == len(want[2]) else float("inf"))
     except Exception as exc:  # a capture CUDA refuses (a host sync, a CPU tensor): this case fails, others run
         stage.add(f"{name} captures", "FAIL", detail=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
         return
-    stage.judge(f"{name} outputs replayed vs eager", worst <= limit, worst, f"<= {limit:.1e}", f"{STEPS} steps")
+    stage.judge(f"{name} outputs replayed vs eager", worst <= limit, worst, f"<= {limit:.1e}",
+                f"{STEPS} steps after the capture's")
     stage.judge(f"{name} gradients replayed vs eager", worst_grad <= grad_limit, worst_grad, f"<= {grad_limit:.1e}")
     drift = max([buffer_error(a, b) for a, b in zip(graphed.buffers(), eager.buffers())], default=0.0)
     stage.judge(f"{name} buffers (moment statistics) replayed vs eager", drift <= BUFFER_LIMIT, drift,
