@@ -96,9 +96,7 @@ class AttentionBase(nn.Module):
                 out = self._graphed_steps()(query, key_padding_mask)
                 if out is not None:
                     return out, None
-            q, k, v = self._packed_heads(query)
-            out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, attn_mask)
-            return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
+            return self._packed_attention(query, key_padding_mask, attn_mask, need_weights, need_head_weights)
         q = self._heads(self.q_proj(query))
         k = None
         if incremental_state is not None and static_kv and self.caches_source:
@@ -127,9 +125,14 @@ class AttentionBase(nn.Module):
     def self_attention(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Self-attention's output (T, B, C) of x (T, B, C), no weights: the eager training forward, which
         ``--attention-cuda-graph`` captures (``cuda_graph.Step``)."""
+        return self._packed_attention(x, key_padding_mask, None, False, False)[0]
+
+    def _packed_attention(self, x: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                          need_weights: bool, need_head_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """Self-attention of x (T, B, C) with q, k, v in one projection (``_packed_heads``): as ``forward``."""
         q, k, v = self._packed_heads(x)
-        out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, None)
-        return self._merged(q, k, out, key_padding_mask, None, False, False)[0]
+        out = self._attend_call()(q, k if self.uses_keys else None, v, key_padding_mask, attn_mask)
+        return self._merged(q, k, out, key_padding_mask, attn_mask, need_weights, need_head_weights)
 
     def _graphed_steps(self) -> cuda_graph.GraphedSteps:
         """The module's captured training steps (``--attention-cuda-graph``), kept out of its state."""
